@@ -1,0 +1,114 @@
+"""Named configurations of the Muse Spark family, from the full model down to a CPU test size."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from muse.config import (
+    AudioConfig,
+    ConfigError,
+    FULL,
+    SLIDING,
+    MuseSparkConfig,
+    RopeParameters,
+    TextConfig,
+    VisionConfig,
+)
+
+# Sliding layers see at most a window, so they keep plain RoPE; global layers stretch theirs
+# with YaRN up to the full context.
+def _rope(global_theta: float, factor: float, original: int) -> dict[str, RopeParameters]:
+    return {
+        SLIDING: RopeParameters(rope_theta=10000.0),
+        FULL: RopeParameters(rope_theta=global_theta, rope_type="yarn", factor=factor,
+                             original_max_position_embeddings=original),
+    }
+
+
+def full_816b() -> MuseSparkConfig:
+    """The open-weight model: 62 layers of 256 latent experts, 1M context."""
+    text = TextConfig(
+        vocab_size=202048,
+        hidden_size=8192,
+        num_hidden_layers=62,
+        sliding_window=2048,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_parameters=_rope(1_000_000.0, 8.0, 131072),
+        max_position_embeddings=1_048_576,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=4096,
+        moe_latent_size=4096,
+        expert_norm=True,
+        num_shared_experts=0,
+        tie_word_embeddings=False,
+    )
+    vision = VisionConfig(hidden_size=1536, num_hidden_layers=50, num_attention_heads=16,
+                          intermediate_size=8960)
+    audio = AudioConfig(hidden_size=768, num_hidden_layers=15, num_attention_heads=12,
+                        intermediate_size=3200)
+    return MuseSparkConfig(text, vision, audio, name="muse-spark-open-816b-a42b")
+
+
+def spark_15b() -> MuseSparkConfig:
+    """Same structure at a size that fits one 141 GB GPU in bf16 with room for KV cache."""
+    text = TextConfig(
+        vocab_size=202048,
+        hidden_size=2048,
+        num_hidden_layers=28,
+        sliding_window=2048,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rope_parameters=_rope(1_000_000.0, 4.0, 65536),
+        max_position_embeddings=262_144,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=640,
+        moe_latent_size=1024,
+        expert_norm=True,
+        tie_word_embeddings=False,
+    )
+    return MuseSparkConfig(text, name="muse-spark-15b-a2b")
+
+
+def tiny() -> MuseSparkConfig:
+    """Every feature on, small enough for the whole test suite on two CPU cores."""
+    text = TextConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        num_hidden_layers=6,
+        sliding_window=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=_rope(100_000.0, 4.0, 512),
+        max_position_embeddings=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=32,
+        expert_norm=True,
+        num_shared_experts=1,
+        tie_word_embeddings=False,
+    )
+    vision = VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64)
+    audio = AudioConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64)
+    return MuseSparkConfig(text, vision, audio, name="muse-spark-tiny", dtype="float32")
+
+
+PRESETS: dict[str, Callable[[], MuseSparkConfig]] = {
+    "muse-spark-open-816b-a42b": full_816b,
+    "muse-spark-15b-a2b": spark_15b,
+    "muse-spark-tiny": tiny,
+}
+
+
+def get_preset(name: str) -> MuseSparkConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+    return PRESETS[name]()
