@@ -23,6 +23,17 @@ class CausalLMOutput:
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@torch.no_grad()
+def init_weights(module: nn.Module, seed: int, std: float) -> None:
+    """Seeded random weights: normal(0, std) matrices, norms at one (same for any device)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -63,17 +74,8 @@ class MuseForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.no_grad()
     def init_weights(self, seed: int, std: float | None = None) -> None:
-        """Seeded random weights: normal(0, std) matrices, norms at one."""
-        generator = torch.Generator().manual_seed(seed)
-        std = self.config.initializer_range if std is None else std
-        for name, param in self.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                param.copy_(values * std)
+        init_weights(self, seed, self.config.initializer_range if std is None else std)
 
     def forward(
         self,

@@ -37,13 +37,17 @@ def inverse_frequencies(params: RopeParameters, head_dim: int) -> tuple[torch.Te
     return inv_freq, attention_scale
 
 
-def rotary_cos_sin(positions: torch.Tensor, params: RopeParameters,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape positions.shape + (head_dim,), in float32."""
-    inv_freq, scale = inverse_frequencies(params, head_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * scale, angles.sin() * scale
+
+
+def rotary_cos_sin(positions: torch.Tensor, params: RopeParameters,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos_sin(positions, *inverse_frequencies(params, head_dim))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

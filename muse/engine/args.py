@@ -1,0 +1,50 @@
+"""Engine settings; names follow vLLM's engine arguments where they mean the same thing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str = "muse-spark-tiny"  # a preset name (random weights) or a checkpoint folder
+    tokenizer: str | None = None  # default: the checkpoint's own, else the base tokenizer
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"
+    seed: int = 0  # seeds random weights of presets and unseeded sampling
+    max_model_len: int | None = None  # default: the model's limit, capped by KV capacity
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
+    gpu_memory_utilization: float = 0.9
+    init_std: float | None = None  # weight scale of a preset's random weights
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return DTYPES.get(checkpoint_dtype, torch.bfloat16) if device.type == "cuda" \
+                else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"`dtype` must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("`gpu_memory_utilization` must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")

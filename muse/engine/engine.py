@@ -1,0 +1,205 @@
+"""The engine core: admission, the step loop, and request bookkeeping around the scheduler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from muse.config import FULL, SLIDING, MuseSparkConfig
+from muse.engine.args import EngineArgs
+from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
+from muse.engine.kv_cache import KVCacheManager
+from muse.engine.request import Request, RequestStatus
+from muse.engine.runner import ModelRunner, allocate_kv_caches
+from muse.engine.sampling_params import InvalidRequestError, SamplingParams
+from muse.engine.scheduler import Scheduler
+from muse.model.decoder import EngineModel
+from muse.presets import PRESETS, get_preset
+from muse.reference.model import init_weights
+
+logger = logging.getLogger("muse")
+
+
+def load_engine_model(args: EngineArgs, device: torch.device
+                      ) -> tuple[MuseSparkConfig, EngineModel, torch.dtype]:
+    """A preset gets seeded random weights; a folder is loaded as a checkpoint."""
+    if args.model in PRESETS:
+        config = get_preset(args.model)
+        dtype = args.resolve_dtype(config.dtype, device)
+        model = EngineModel(config.text_config)
+        init_weights(model, args.seed, args.init_std or config.text_config.initializer_range)
+        return config, model.to(device=device, dtype=dtype), dtype
+    from muse.checkpoint import load_config, load_weights
+
+    config = load_config(args.model)
+    dtype = args.resolve_dtype(config.dtype, device)
+    with torch.device("meta"):
+        model = EngineModel(config.text_config)
+    model = model.to_empty(device=device).to(dtype)
+    load_weights(model, args.model, dtype=dtype, device=device)
+    return config, model, dtype
+
+
+def load_tokenizer(args: EngineArgs):
+    """The tokenizer named, the checkpoint's own, or the base tokenizer for presets."""
+    from muse.tokenizer import BASE_TOKENIZER_DIR, MuseTokenizer
+
+    source = args.tokenizer
+    if source is None:
+        own = Path(args.model)
+        source = own if (own / "tokenizer.json").is_file() else None
+        if source is None and args.model in PRESETS:
+            source = BASE_TOKENIZER_DIR
+    return MuseTokenizer.from_pretrained(source) if source is not None else None
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = args.resolve_device()
+        self.model_config, model, self.dtype = load_engine_model(args, self.device)
+        self.config = self.model_config.text_config
+        self.model = model.eval()
+        self.tokenizer = load_tokenizer(args)
+        self.eos_token_ids = tuple(self.config.eos_token_ids)
+
+        budget = kv_budget_bytes(args.kv_cache_memory_bytes, self.device,
+                                 args.gpu_memory_utilization)
+        num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
+                                  args.max_num_seqs, args.max_num_batched_tokens)
+        self.kv_cache = KVCacheManager(args.block_size, num_blocks, self.config.sliding_window,
+                                       args.enable_prefix_caching)
+        self.max_model_len = self._check_capacity(num_blocks)
+        kv_caches = allocate_kv_caches(self.config, num_blocks, args.block_size, self.dtype,
+                                       self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, kv_caches, self.device)
+        self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
+        self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
+        self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
+        sizes = block_bytes(self.config, args.block_size, self.dtype)
+        logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
+                    ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
+                              for kind, n in num_blocks.items()),
+                    sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20, self.max_model_len)
+
+    def _check_capacity(self, num_blocks: dict[str, int]) -> int:
+        """`max_model_len`, checked against the model and against what the cache can hold."""
+        limit = self.config.max_position_embeddings
+        wanted = self.args.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"`max_model_len` {wanted} exceeds the model's limit {limit}")
+        max_len = wanted or limit
+        block_size = self.args.block_size
+        if FULL in num_blocks:
+            capacity = (num_blocks[FULL] - 1) * block_size
+            if capacity < max_len and wanted is not None:
+                raise ValueError(f"`max_model_len` {wanted} does not fit in the KV cache, which "
+                                 f"holds {capacity} tokens; lower it or give the cache more "
+                                 "memory")
+            max_len = min(max_len, capacity)
+        if SLIDING in num_blocks:
+            chunk = self.config.sliding_window + self.args.max_num_batched_tokens
+            need = min(-(-chunk // block_size) + 2, -(-max_len // block_size))
+            if num_blocks[SLIDING] - 1 < need:
+                raise ValueError("the KV cache is too small for one sliding-window sequence; "
+                                 "give it more memory or lower `max_num_batched_tokens`")
+        return max_len
+
+    # ---- requests ------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got "
+                                      f"{bad[:5]}", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens, prompt and output together",
+                param="prompt")
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        # Sample i of a seeded request gets its own stream, derived from (seed, i).
+        return torch.Generator(device=self.device).manual_seed(
+            (params.seed * 1_000_003 + index) % 2**63)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[Request]:
+        """Validate and queue a request; its `n` samples share the prompt's KV."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      param="request_id")
+        self.validate_prompt(prompt_token_ids)
+        params.validate(self.config.vocab_size)
+        samples = []
+        for index in range(params.n):
+            samples.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                group_id=request_id,
+                prompt_token_ids=list(prompt_token_ids), params=params,
+                eos_token_ids=self.eos_token_ids, sample_index=index,
+                parent=samples[0] if index else None,
+                generator=self._generator(params, index)))
+        self.requests[request_id] = samples
+        self.scheduler.add(samples[0])
+        if params.n > 1:
+            self.pending_siblings[samples[0].request_id] = samples[1:]
+        return samples
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its samples) and free its blocks now."""
+        for request in self.requests.pop(request_id, []):
+            self.pending_siblings.pop(request.request_id, None)
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _fork_siblings(self, parent: Request) -> None:
+        for child in self.pending_siblings.pop(parent.request_id, []):
+            shareable = (parent.num_prompt_tokens - 1) // self.args.block_size \
+                * self.args.block_size
+            child.num_computed_tokens = self.kv_cache.fork(parent, child, shareable)
+            self.scheduler.add(child, front=True)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests that produced output or finished."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return []
+        result = self.runner.execute(output.scheduled)
+        changed = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.request_id in result.prompt_logprobs:
+                if not request.prompt_logprobs:
+                    request.prompt_logprobs.append(None)
+                request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
+            if request.request_id not in result.tokens:
+                self.kv_cache.on_computed(request)
+                continue
+            if request.request_id in self.pending_siblings:
+                self._fork_siblings(request)
+            self.kv_cache.on_computed(request)
+            request.append_token(result.tokens[request.request_id],
+                                 result.logprobs[request.request_id])
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED, reason)
+                self._forget_if_done(request.group_id)
+            changed.append(request)
+        return changed
+
+    def _forget_if_done(self, group_id: str) -> None:
+        if all(s.is_finished for s in self.requests.get(group_id, [])):
+            self.requests.pop(group_id, None)

@@ -1,0 +1,47 @@
+"""How many KV blocks each attention kind gets out of a memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from muse.config import SLIDING, TextConfig
+
+CPU_DEFAULT_KV_BYTES = 256 * 2**20
+
+
+def kv_budget_bytes(explicit: int | None, device: torch.device, utilization: float) -> int:
+    """An explicit budget, else (on GPU) what is left under `utilization` of the card."""
+    if explicit is not None:
+        return explicit
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total * utilization) - (total - free))
+
+
+def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes one block of each kind takes over all layers of that kind (K and V)."""
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    return {kind: per_layer * config.layer_types.count(kind) for kind in set(config.layer_types)}
+
+
+def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.dtype,
+                 max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, int]:
+    """Blocks per kind (the null block included).
+
+    Sliding layers never hold more tokens than global ones, and each running request keeps at
+    most a window plus the chunk it computes; the sliding pool gets that much for every
+    sequence, twice over so cached windows of shared prefixes can stay, and global layers get
+    the rest.
+    """
+    sizes = block_bytes(config, block_size, dtype)
+    if len(sizes) == 1:
+        (kind, size), = sizes.items()
+        return {kind: budget // size}
+    sliding, full = sizes[SLIDING], sum(v for k, v in sizes.items() if k != SLIDING)
+    equal = budget // (sliding + full)
+    window_blocks = -(-config.sliding_window // block_size) + 1
+    need = max_num_seqs * (window_blocks + 1) + -(-max_num_batched_tokens // block_size)
+    num_sliding = min(equal, 2 * need)
+    num_full = (budget - num_sliding * sliding) // full
+    return {kind: num_sliding if kind == SLIDING else num_full for kind in sizes}

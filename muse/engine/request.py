@@ -1,0 +1,102 @@
+"""One generation request as the engine core sees it: token ids, progress and state.
+
+Two counters drive everything: `num_tokens` (known) and `num_computed_tokens` (whose KV is in
+the cache). Prefill, chunked prefill, prefix-cache hits and decode all just advance the second.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from muse.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of one chosen token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    group_id: str = ""  # the client's request id; differs from request_id when n > 1
+    # Index of this sample among the `n` of its prompt; siblings wait for the first's prefill.
+    sample_index: int = 0
+    parent: Request | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.logprob
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason after the latest token, or None to keep going."""
+        last = self.output_token_ids[-1]
+        num_output = len(self.output_token_ids)
+        if num_output >= self.params.min_tokens:
+            if last in self.params.stop_token_ids:
+                return "stop"
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+        if self.params.max_tokens is not None and num_output >= self.params.max_tokens:
+            return "length"
+        if self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,119 @@
+"""Turns a scheduled step into tensors, runs the model on them and samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from muse.config import TextConfig
+from muse.engine.kv_cache import KVCacheManager
+from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.engine.request import TokenLogprobs
+from muse.engine.sampler import SamplingRow, prompt_logprobs, sample
+from muse.engine.scheduler import ScheduledRequest
+from muse.model.decoder import EngineModel
+
+
+@dataclass
+class StepResult:
+    # request_id -> sampled token (only requests that reached the end of their known tokens)
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+    # request_id -> logprobs of the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def allocate_kv_caches(config: TextConfig, num_blocks: dict[str, int], block_size: int,
+                       dtype: torch.dtype, device: torch.device
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, shaped [blocks of its kind, block_size, kv_heads, head_dim]."""
+    caches = []
+    for kind in config.layer_types:
+        shape = (num_blocks[kind], block_size, config.num_key_value_heads, config.head_dim)
+        caches.append((torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device)))
+    return caches
+
+
+class ModelRunner:
+    def __init__(self, model: EngineModel, kv_cache: KVCacheManager,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def _metadata(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, BatchMetadata]:
+        block_size = self.block_size
+        input_ids, positions, token_request, query_start, seq_lens = [], [], [], [0], []
+        slots: dict[str, list[int]] = {kind: [] for kind in self.kv_cache.pools}
+        tables: dict[str, list[list[int]]] = {kind: [] for kind in self.kv_cache.pools}
+        first_blocks: dict[str, list[int]] = {kind: [] for kind in self.kv_cache.pools}
+        for index, item in enumerate(scheduled):
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:end])
+            new_positions = range(start, end)
+            positions.extend(new_positions)
+            token_request.extend([index] * item.num_new_tokens)
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            for kind, table in self.kv_cache.block_tables(request).items():
+                slots[kind].extend(table[p // block_size] * block_size + p % block_size
+                                   for p in new_positions)
+                first = self.kv_cache.window_start_block(kind, start)
+                first_blocks[kind].append(first)
+                tables[kind].append(table[first:-(-end // block_size)])
+        device = self.device
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        kinds = {}
+        for kind in self.kv_cache.pools:
+            width = max(len(t) for t in tables[kind])
+            padded = [t + [0] * (width - len(t)) for t in tables[kind]]
+            kinds[kind] = KindMetadata(tensor(slots[kind]), tensor(padded),
+                                       tensor(first_blocks[kind]))
+        meta = BatchMetadata(
+            positions=tensor(positions), token_request=tensor(token_request),
+            query_start=tensor(query_start), seq_lens=tensor(seq_lens),
+            max_query_len=max(s.num_new_tokens for s in scheduled), kinds=kinds,
+            block_size=block_size)
+        return tensor(input_ids), meta
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        input_ids, meta = self._metadata(scheduled)
+        hidden = self.model(input_ids, meta, self.kv_caches)
+        result = StepResult()
+        sample_rows, sample_ids, sample_index = [], [], []
+        offset = 0
+        for item in scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            last = offset + item.num_new_tokens - 1
+            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
+                # Positions start..end-1 predict the prompt tokens start+1..end.
+                stop = min(end, request.num_prompt_tokens - 1)
+                logits = self.model.compute_logits(hidden[offset:offset + stop - start])
+                targets = torch.tensor(request.prompt_token_ids[start + 1:stop + 1],
+                                       device=self.device)
+                result.prompt_logprobs[request.request_id] = prompt_logprobs(
+                    logits, targets, request.params.prompt_logprobs)
+            if end == request.num_tokens:
+                sample_index.append(last)
+                sample_ids.append(request.request_id)
+                sample_rows.append(SamplingRow(request.params, request.prompt_token_ids,
+                                               request.output_token_ids, request.eos_token_ids,
+                                               request.generator))
+            offset += item.num_new_tokens
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_index,
+                                                                   device=self.device)])
+            tokens, logprobs = sample(logits, sample_rows)
+            result.tokens = dict(zip(sample_ids, tokens))
+            result.logprobs = dict(zip(sample_ids, logprobs))
+        return result

@@ -1,0 +1,86 @@
+"""How one request wants its tokens chosen. Validated at admission, never inside a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request a client sent cannot be served; the message names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Field names and meanings follow the OpenAI API and vLLM, so users can switch."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        def check(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise InvalidRequestError(
+                    f"`{name}` must be {allowed}, got {getattr(self, name)!r}", param=name)
+
+        check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
+        check(0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0, -1 or a positive integer")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "in (0, 10]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "null or an integer >= 1")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens
+              and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+              "min_tokens", "an integer in [0, max_tokens]")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+              f"null or an integer in [0, {MAX_LOGPROBS}]")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+              "prompt_logprobs", f"null or an integer in [0, {MAX_LOGPROBS}]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "null or an integer")
+        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids),
+              "stop_token_ids", f"token ids in [0, {vocab_size})")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        for token, bias in (self.logit_bias or {}).items():
+            if not (isinstance(token, int) and 0 <= token < vocab_size):
+                raise InvalidRequestError(f"`logit_bias` key {token!r} is not a token id in "
+                                          f"[0, {vocab_size})", param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"`logit_bias` value for token {token} must be in "
+                                          f"[-100, 100], got {bias!r}", param="logit_bias")

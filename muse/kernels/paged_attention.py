@@ -1,0 +1,56 @@
+"""Attention of a batch of new tokens over a paged KV cache, in plain PyTorch.
+
+This is the portable path (CPU, tests) and the twin that faster GPU kernels are checked against.
+It handles prefill chunks and decodes in one call: queries are padded per request, each
+request's keys are gathered from its block table, and masks come from positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from muse.engine.metadata import BatchMetadata, KindMetadata
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [tokens, kv_heads, head_dim] at their flat cache slots."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
+                    scale: float) -> torch.Tensor:
+    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    requests, max_query = meta.num_requests, meta.max_query_len
+    block_size = meta.block_size
+
+    # Queries padded to [requests, max_query, kv_heads, group, dim].
+    column = torch.arange(num_tokens, device=q.device) - meta.query_start[meta.token_request]
+    padded_q = q.new_zeros(requests, max_query, num_heads, head_dim)
+    padded_q[meta.token_request, column] = q
+    padded_q = padded_q.view(requests, max_query, num_kv_heads, group, head_dim)
+    query_pos = torch.zeros(requests, max_query, dtype=torch.long, device=q.device)
+    query_pos[meta.token_request, column] = meta.positions
+
+    # Keys [requests, keys, kv_heads, dim] and the absolute position of each.
+    keys = k_cache[kind.block_tables].flatten(1, 2)
+    values = v_cache[kind.block_tables].flatten(1, 2)
+    key_pos = kind.first_block[:, None] * block_size + torch.arange(keys.shape[1],
+                                                                    device=q.device)
+
+    allowed = key_pos[:, None, :] <= query_pos[:, :, None]
+    allowed &= key_pos[:, None, :] < meta.seq_lens[:, None, None]
+    if sliding_window is not None:
+        allowed &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
+    scores = torch.einsum("rqkgd,rnkd->rkgqn", padded_q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    # Padding rows see no key; zero them instead of producing NaN.
+    probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
+    out = torch.einsum("rkgqn,rnkd->rqkgd", probs, values.float())
+    out = out.reshape(requests, max_query, num_heads, head_dim)
+    return out[meta.token_request, column].to(q.dtype)

@@ -1,0 +1,48 @@
+"""Shared pieces of the engine tests: a reference greedy decoder and prompt sets."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from muse.reference.model import MuseForCausalLM
+
+
+def reference_from_engine(engine) -> MuseForCausalLM:
+    """A float32 reference model holding exactly the engine's weights."""
+    reference = MuseForCausalLM(engine.config)
+    reference.load_state_dict({k: v.float().cpu() for k, v in engine.model.state_dict().items()})
+    return reference.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model: MuseForCausalLM, prompt: list[int], max_tokens: int
+                     ) -> tuple[list[int], float]:
+    """Greedy tokens, and the smallest top-1/top-2 logit gap met on the way."""
+    ids, out, smallest_gap = list(prompt), [], float("inf")
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(2).values
+        smallest_gap = min(smallest_gap, float(top[0] - top[1]))
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+    return out, smallest_gap
+
+
+def mixed_prompts(vocab: int, window: int, count: int = 32, seed: int = 0) -> list[list[int]]:
+    """Prompts of mixed length, several over 3x the window, some sharing long prefixes."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(32, vocab) for _ in range(3 * window + 5)]
+    prompts = []
+    for i in range(count):
+        if i % 4 == 0:
+            length = rng.randrange(3 * window + 1, 5 * window)
+        else:
+            length = rng.randrange(2, 2 * window)
+        tokens = [rng.randrange(32, vocab) for _ in range(length)]
+        if i % 3 == 0:
+            tokens = shared[:rng.randrange(window, len(shared))] + tokens
+        prompts.append(tokens)
+    return prompts
