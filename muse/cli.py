@@ -43,6 +43,65 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     print(f"trained a {tokenizer.vocab_size}-token tokenizer on {len(files)} files -> {args.out}")
 
 
+DEFAULT_MODEL = "muse-spark-tiny"
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+            "seed": args.seed}
+
+
+def _sampling(args: argparse.Namespace):
+    from muse.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from muse.llm import LLM
+
+    llm = LLM(args.model, **_engine_args(args))
+    for output in llm.generate(args.prompt, _sampling(args)):
+        print(output.outputs[0].text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """A conversation on the terminal; with --message, one exchange and exit."""
+    from muse.llm import LLM
+
+    llm = LLM(args.model, **_engine_args(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = list(args.message) if args.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return
+            text = turns.pop(0)
+        else:
+            try:
+                text = input("user> ")
+            except EOFError:
+                return
+        messages.append({"role": "user", "content": text})
+        output = llm.chat(messages, _sampling(args))[0].outputs[0]
+        print(output.text)
+        messages.append({"role": "assistant", "content": output.text})
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                            "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weight dtype (default: the config's)")
     init.set_defaults(func=cmd_init)
 
+    generate = sub.add_parser("generate", help="complete prompts offline")
+    generate.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                          help="a checkpoint folder or a preset (random weights)")
+    generate.add_argument("--prompt", action="append", required=True,
+                          help="a prompt (repeat for several)")
+    _add_generation_flags(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with a model on the terminal")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    chat.add_argument("--message", action="append", help="send these turns and exit")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_generation_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files")
     tok.add_argument("out", help="output folder")
     tok.add_argument("files", nargs="+", help="training text files")
@@ -73,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -22,7 +22,7 @@ def kv_budget_bytes(explicit: int | None, device: torch.device, utilization: flo
 def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype) -> dict[str, int]:
     """Bytes one block of each kind takes over all layers of that kind (K and V)."""
     per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    return {kind: per_layer * config.layer_types.count(kind) for kind in set(config.layer_types)}
+    return {kind: per_layer * config.layer_types.count(kind) for kind in dict.fromkeys(config.layer_types)}
 
 
 def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.dtype,

@@ -23,15 +23,20 @@ class CausalLMOutput:
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def initial_value(name: str, shape: torch.Size | tuple[int, ...], generator: torch.Generator,
+                  std: float) -> torch.Tensor:
+    """The seeded starting value of one parameter: norms at one, matrices normal(0, std)."""
+    if "norm" in name:
+        return torch.ones(shape)
+    return torch.randn(shape, generator=generator).mul_(std)
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, seed: int, std: float) -> None:
-    """Seeded random weights: normal(0, std) matrices, norms at one (same for any device)."""
+    """Seeded random weights, drawn in parameter order (the same on any device)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in module.named_parameters():
-        if "norm" in name:
-            param.fill_(1.0)
-        else:
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
+        param.copy_(initial_value(name, param.shape, generator, std))
 
 
 class DecoderLayer(nn.Module):

@@ -16,7 +16,8 @@ def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_positi
 
 def inverse_frequencies(params: RopeParameters, head_dim: int) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies and the attention scale that multiplies cos and sin."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    # Built on the CPU even inside a meta-device context: these are constants, not weights.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
     base_frequencies = params.rope_theta ** exponents
     if params.rope_type == "default":
         return 1.0 / base_frequencies, 1.0
@@ -29,7 +30,8 @@ def inverse_frequencies(params: RopeParameters, head_dim: int) -> tuple[torch.Te
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
     keep = 1.0 - ramp
     inv_freq = (1.0 / (params.factor * base_frequencies)) * (1.0 - keep) \
         + (1.0 / base_frequencies) * keep

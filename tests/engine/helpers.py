@@ -17,18 +17,22 @@ def reference_from_engine(engine) -> MuseForCausalLM:
 
 
 @torch.no_grad()
-def reference_greedy(model: MuseForCausalLM, prompt: list[int], max_tokens: int
-                     ) -> tuple[list[int], float]:
-    """Greedy tokens, and the smallest top-1/top-2 logit gap met on the way."""
-    ids, out, smallest_gap = list(prompt), [], float("inf")
+def reference_greedy(model: MuseForCausalLM, prompts: list[list[int]], max_tokens: int
+                     ) -> tuple[list[list[int]], float]:
+    """Greedy tokens of every prompt (one left-padded batch per step), and the smallest
+    top-1/top-2 logit gap met on the way."""
+    sequences = [list(p) for p in prompts]
+    smallest_gap = float("inf")
     for _ in range(max_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        width = max(len(s) for s in sequences)
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences])
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
+        logits = model(ids, attention_mask=mask).logits[:, -1]
         top = logits.topk(2).values
-        smallest_gap = min(smallest_gap, float(top[0] - top[1]))
-        token = int(logits.argmax())
-        out.append(token)
-        ids.append(token)
-    return out, smallest_gap
+        smallest_gap = min(smallest_gap, float((top[:, 0] - top[:, 1]).min()))
+        for sequence, token in zip(sequences, logits.argmax(-1).tolist()):
+            sequence.append(token)
+    return [s[len(p):] for s, p in zip(sequences, prompts)], smallest_gap
 
 
 def mixed_prompts(vocab: int, window: int, count: int = 32, seed: int = 0) -> list[list[int]]:

@@ -1,0 +1,108 @@
+"""Lazy access to a checkpoint's tensors: shards are memory-mapped, tensors read on request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from muse.checkpoint.layout import INDEX_FILE, SINGLE_WEIGHTS_FILE, CheckpointError, format_names
+
+
+class CheckpointReader:
+    """Tensors of a checkpoint folder by name.
+
+    Opening reads the index and nothing else; a shard is mapped (header parsed) the first time
+    one of its tensors is asked for, and `get` returns a tensor backed by that copy-on-write
+    mapping, so bytes are paged in only when used. Loading one layer, or checking every shape,
+    never pulls the whole checkpoint into memory.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._handles: dict[str, Any] = {}
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
+        index_path = self.directory / INDEX_FILE
+        if index_path.is_file():
+            self._file_of = _read_index(index_path)
+        elif (self.directory / SINGLE_WEIGHTS_FILE).is_file():
+            self._file_of = {name: SINGLE_WEIGHTS_FILE
+                             for name in self._handle(SINGLE_WEIGHTS_FILE).keys()}
+        else:
+            raise CheckpointError(f"checkpoint directory {self.directory} has neither "
+                                  f"{SINGLE_WEIGHTS_FILE} nor {INDEX_FILE}")
+        absent = sorted({file for file in self._file_of.values()
+                         if not (self.directory / file).is_file()})
+        if absent:
+            raise CheckpointError(f"checkpoint {self.directory} is missing shard file(s) "
+                                  f"listed in {INDEX_FILE}: {format_names(absent)}")
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def file_of(self, name: str) -> str:
+        return self._file_of[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the shard header, without reading the tensor."""
+        return tuple(self._slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, backed by the mapped shard (clone it to own aligned memory)."""
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except SafetensorError as error:
+            raise CheckpointError(f"cannot read tensor `{name}` from "
+                                  f"{self.directory / file}: {error}") from None
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def _slice(self, name: str) -> Any:
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except SafetensorError as error:
+            raise CheckpointError(f"cannot read tensor `{name}` from "
+                                  f"{self.directory / file}: {error}") from None
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(self.directory / file, framework="pt",
+                                                device="cpu")
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(f"cannot open shard {self.directory / file}: "
+                                      f"{error}") from None
+        return self._handles[file]
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f"{path} must hold an object with a `weight_map` from tensor "
+                              f"names to shard file names")
+    return weight_map
