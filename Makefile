@@ -4,7 +4,7 @@ PYTHON := $(VENV)/bin/python
 # Without CUDA take the CPU build of torch (a small local wheel) instead of the multi-GB CUDA one.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test clean
+.PHONY: install test serve clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,11 @@ install: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PYTHON) -m pytest
+
+# The OpenAI-compatible server on the default model at http://127.0.0.1:8000 .
+serve: $(VENV)/.installed
+	$(VENV)/bin/muse serve --host 127.0.0.1 --port 8000 \
+		--reasoning-parser muse --tool-call-parser muse --enable-auto-tool-choice
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -89,6 +89,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": output.text})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from muse.server.launch import serve
+
+    serve(args)
+
+
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                             "float16"])
@@ -137,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_generation_flags(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    from muse.server.launch import add_serve_arguments
+
+    add_serve_arguments(serve, DEFAULT_MODEL)
+    serve.set_defaults(func=cmd_serve)
 
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files")
     tok.add_argument("out", help="output folder")

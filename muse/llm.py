@@ -8,7 +8,8 @@ from typing import Any, Union
 
 from muse.engine.args import EngineArgs
 from muse.engine.engine import EngineCore
-from muse.engine.request import Request, RequestStatus
+from muse.detokenizer import IncrementalDetokenizer
+from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
 from muse.outputs import CompletionOutput, RequestOutput
 
@@ -34,39 +35,37 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
-    def _detokenize(self, token_ids: list[int], params: SamplingParams) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
-
-    # ---- outputs -------------------------------------------------------------------------
-    def _completion(self, request: Request) -> CompletionOutput:
+    def _completion(self, request: Request, detokenizer: IncrementalDetokenizer | None
+                    ) -> CompletionOutput:
         params = request.params
-        text = self._detokenize(request.output_token_ids, params)
+        finish_reason = request.finish_reason
         stop_reason: int | str | None = None
-        if request.finish_reason == "stop" and request.output_token_ids:
+        stopped_by_token = finish_reason == "stop"
+        if stopped_by_token:
             stop_reason = request.output_token_ids[-1]
-        for stop in params.stop:
-            at = text.find(stop)
-            if at != -1:
-                text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
-                stop_reason = stop
+        if detokenizer is not None:
+            new = request.output_token_ids[detokenizer.num_tokens_seen:]
+            delta = detokenizer.update(new, finished=request.is_finished,
+                                       drop_last=stopped_by_token)
+            if delta.stop is not None:
+                stop_reason, finish_reason = delta.stop, "stop"
                 if not request.is_finished:
                     # A stop string ends this sample as if it were a stop token.
-                    self.engine.scheduler.finish(request, RequestStatus.FINISHED, "stop")
-                    self.engine._forget_if_done(request.group_id)
-                break
+                    self.engine.finish_request(request, "stop")
         return CompletionOutput(
-            index=request.sample_index, text=text, token_ids=list(request.output_token_ids),
+            index=request.sample_index,
+            text=detokenizer.text if detokenizer is not None else "",
+            token_ids=list(request.output_token_ids),
             cumulative_logprob=request.cumulative_logprob if params.logprobs is not None else None,
             logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
-            finish_reason=request.finish_reason, stop_reason=stop_reason)
+            finish_reason=finish_reason, stop_reason=stop_reason)
 
-    def _output(self, group_id: str, prompt: str | None, samples: list[Request]) -> RequestOutput:
+    def _output(self, group_id: str, prompt: str | None, samples: list[Request],
+                detokenizers: list[IncrementalDetokenizer | None]) -> RequestOutput:
         first = samples[0]
         return RequestOutput(
             request_id=group_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=[self._completion(s) for s in samples],
+            outputs=[self._completion(s, d) for s, d in zip(samples, detokenizers)],
             prompt_logprobs=first.prompt_logprobs if first.wants_prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens)
 
@@ -82,18 +81,20 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        groups: dict[str, tuple[str | None, list[Request]]] = {}
+        groups: dict[str, tuple[str | None, list[Request], list]] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 text, ids = self._prompt_ids(prompt)
                 group_id = str(next(self._ids))
-                groups[group_id] = (text, self.engine.add_request(group_id, ids, params))
+                samples = self.engine.add_request(group_id, ids, params)
+                detokenizers = [IncrementalDetokenizer(self.tokenizer, params)
+                                if self.tokenizer is not None else None for _ in samples]
+                groups[group_id] = (text, samples, detokenizers)
             reported: set[str] = set()
             while len(reported) < len(groups):
                 changed = {r.group_id for r in self.engine.step()}
                 for group_id in changed:
-                    text, samples = groups[group_id]
-                    output = self._output(group_id, text, samples)
+                    output = self._output(group_id, *groups[group_id])
                     if output.finished:
                         reported.add(group_id)
                     yield output

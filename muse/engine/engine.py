@@ -13,7 +13,7 @@ from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
 from muse.engine.runner import ModelRunner, allocate_kv_caches
-from muse.engine.sampling_params import InvalidRequestError, SamplingParams
+from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.presets import PRESETS, get_preset
@@ -109,20 +109,6 @@ class EngineCore:
         return max_len
 
     # ---- requests ------------------------------------------------------------------------
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got "
-                                      f"{bad[:5]}", param="prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
-                f"length is {self.max_model_len} tokens, prompt and output together",
-                param="prompt")
-
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
             return None
@@ -136,8 +122,9 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
-        self.validate_prompt(prompt_token_ids)
+        validate_prompt(prompt_token_ids, self.config.vocab_size, self.max_model_len)
         params.validate(self.config.vocab_size)
+        compiler = self._grammar_compiler() if params.structured_output else None
         samples = []
         for index in range(params.n):
             samples.append(Request(
@@ -146,12 +133,24 @@ class EngineCore:
                 prompt_token_ids=list(prompt_token_ids), params=params,
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
-                generator=self._generator(params, index)))
+                generator=self._generator(params, index),
+                grammar=compiler.matcher(params.structured_output) if compiler else None))
         self.requests[request_id] = samples
         self.scheduler.add(samples[0])
         if params.n > 1:
             self.pending_siblings[samples[0].request_id] = samples[1:]
         return samples
+
+    def _grammar_compiler(self):
+        if self.runner.grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs a tokenizer, and this model "
+                                          "has none", param="response_format")
+            from muse.engine.structured_output import GrammarCompiler
+
+            self.runner.grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
+        return self.runner.grammar_compiler
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks now."""
@@ -180,25 +179,38 @@ class EngineCore:
         changed = []
         for item in output.scheduled:
             request = item.request
+            start = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
             if request.request_id in result.prompt_logprobs:
+                # Entry i is for prompt token i (the first has none). A request recomputed
+                # after preemption already holds the entries of its earlier chunks.
                 if not request.prompt_logprobs:
                     request.prompt_logprobs.append(None)
-                request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
+                entries = result.prompt_logprobs[request.request_id]
+                known = len(request.prompt_logprobs) - (start + 1)
+                request.prompt_logprobs.extend(entries[max(known, 0):])
             if request.request_id not in result.tokens:
                 self.kv_cache.on_computed(request)
                 continue
             if request.request_id in self.pending_siblings:
                 self._fork_siblings(request)
             self.kv_cache.on_computed(request)
-            request.append_token(result.tokens[request.request_id],
-                                 result.logprobs[request.request_id])
+            token = result.tokens[request.request_id]
+            if request.grammar is not None:
+                request.grammar.accept_token(token)
+            request.append_token(token, result.logprobs[request.request_id])
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED, reason)
                 self._forget_if_done(request.group_id)
             changed.append(request)
         return changed
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End one sample early (a stop string met by the front end)."""
+        if not request.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED, reason)
+            self._forget_if_done(request.group_id)
 
     def _forget_if_done(self, group_id: str) -> None:
         if all(s.is_finished for s in self.requests.get(group_id, [])):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class Request:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
+    grammar: Any = None  # xgrammar matcher when the output is constrained
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -44,6 +44,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = kv_cache.block_size
+        self.grammar_compiler = None  # set by the engine once a request is constrained
 
     def _metadata(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, BatchMetadata]:
         block_size = self.block_size
@@ -108,12 +109,12 @@ class ModelRunner:
                 sample_ids.append(request.request_id)
                 sample_rows.append(SamplingRow(request.params, request.prompt_token_ids,
                                                request.output_token_ids, request.eos_token_ids,
-                                               request.generator))
+                                               request.generator, request.grammar))
             offset += item.num_new_tokens
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_index,
                                                                    device=self.device)])
-            tokens, logprobs = sample(logits, sample_rows)
+            tokens, logprobs = sample(logits, sample_rows, self.grammar_compiler)
             result.tokens = dict(zip(sample_ids, tokens))
             result.logprobs = dict(zip(sample_ids, logprobs))
         return result

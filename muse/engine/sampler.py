@@ -13,6 +13,7 @@ not depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
+    grammar: Any = None
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -113,11 +115,13 @@ def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int,
                          list(zip(top_ids.tolist(), top_values.tolist())))
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int],
-                                                                   list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar_compiler: Any = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (float32)."""
     device = logits.device
     processed = apply_logit_processing(logits, rows)
+    if grammar_compiler is not None:
+        grammar_compiler.apply(processed, [row.grammar for row in rows])
     greedy = torch.tensor([r.params.greedy for r in rows], device=device)
     tokens = processed.argmax(dim=-1)
     if not bool(greedy.all()):

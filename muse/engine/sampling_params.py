@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from muse.engine.errors import InvalidRequestError
+from muse.engine.structured_output import StructuredOutput
 
-class InvalidRequestError(ValueError):
-    """A request a client sent cannot be served; the message names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["InvalidRequestError", "SamplingParams", "validate_prompt"]
 
 
 MAX_LOGPROBS = 20
@@ -39,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,3 +82,18 @@ class SamplingParams:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError(f"`logit_bias` value for token {token} must be in "
                                           f"[-100, 100], got {bias!r}", param="logit_bias")
+
+
+def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Refuse prompts the engine cannot serve, naming the problem."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    bad = [t for t in prompt_token_ids
+           if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}); "
+                                  f"got {bad[:5]}", param="prompt")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
+            f"length is {max_model_len} tokens, prompt and output together", param="prompt")

@@ -1,0 +1,120 @@
+"""`/v1/completions`: one or several prompts, `echo`, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from muse.engine.sampling_params import SamplingParams
+from muse.server.engine_client import EngineClient, EngineDeadError
+from muse.server.generation import GenerationState, generate
+from muse.server.metrics import ServerMetrics
+from muse.server.protocol import CompletionRequest
+from muse.server.responses import (
+    completion_logprobs,
+    first_then_rest,
+    now,
+    sse,
+    stream_error,
+)
+from muse.server.serving import ServerOptions
+
+
+def _usage(states: list[GenerationState]) -> dict[str, Any]:
+    prompt = sum(s.num_prompt_tokens for s in states)
+    output = sum(s.num_output_tokens for s in states)
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
+                                                           for s in states)}}
+
+
+async def completion(request: CompletionRequest, prompts: list[list[int]],
+                     params: list[SamplingParams], client: EngineClient, tokenizer,
+                     options: ServerOptions, metrics: ServerMetrics, request_id: str):
+    n = request.n
+    states = [GenerationState() for _ in prompts]
+    streams = []
+    for p, (prompt, sampling) in enumerate(zip(prompts, params)):
+        if request.echo and request.logprobs is not None:
+            sampling.prompt_logprobs = request.logprobs
+        updates = generate(client, tokenizer, f"{request_id}-{p}", prompt, sampling, metrics,
+                           states[p])
+        streams.append((await first_then_rest(updates))[1])
+    head = {"id": request_id, "created": now(), "model": options.served_model_name}
+    echo_texts = [tokenizer.decode(p, skip_special_tokens=True) if request.echo else ""
+                  for p in prompts]
+    if request.stream:
+        return StreamingResponse(_stream(request, streams, states, echo_texts, tokenizer, head),
+                                 media_type="text/event-stream")
+    finish: dict[tuple[int, int], Any] = {}
+    logprobs: dict[tuple[int, int], list] = {}
+
+    async def drain(p: int) -> None:
+        async for update in streams[p]:
+            logprobs.setdefault((p, update.index), []).extend(update.logprobs)
+            if update.finish_reason is not None:
+                finish[(p, update.index)] = (update.finish_reason, update.stop_reason)
+
+    await asyncio.gather(*(drain(p) for p in range(len(prompts))))
+    choices = []
+    for p, state in enumerate(states):
+        for index in range(n):
+            text = echo_texts[p] + state.texts.get(index, "")
+            entry = None
+            if request.logprobs is not None:
+                entries = (state.prompt_logprobs or []) if request.echo else []
+                entry = completion_logprobs(tokenizer, entries + logprobs.get((p, index), []))
+            reason, stop = finish.get((p, index), (None, None))
+            choices.append({"index": p * n + index, "text": text, "logprobs": entry,
+                            "finish_reason": reason, "stop_reason": stop})
+    return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                         "usage": _usage(states)})
+
+
+async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
+                  states: list[GenerationState], echo_texts: list[str], tokenizer,
+                  head: dict) -> AsyncIterator[str]:
+    n = request.n
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int) -> None:
+        try:
+            async for update in streams[p]:
+                await queue.put((p, update))
+        except EngineDeadError as error:
+            await queue.put((p, error))
+        finally:
+            await queue.put((p, None))
+
+    tasks = [asyncio.create_task(pump(p)) for p in range(len(streams))]
+    echoed: set[tuple[int, int]] = set()
+    remaining = len(streams)
+    try:
+        while remaining:
+            p, update = await queue.get()
+            if update is None:
+                remaining -= 1
+                continue
+            if isinstance(update, Exception):
+                yield stream_error(update)
+                return
+            text = update.text
+            if request.echo and (p, update.index) not in echoed:
+                echoed.add((p, update.index))
+                text = echo_texts[p] + text
+            logprobs = completion_logprobs(tokenizer, update.logprobs) \
+                if request.logprobs is not None else None
+            yield sse({**head, "object": "text_completion", "choices": [{
+                "index": p * n + update.index, "text": text, "logprobs": logprobs,
+                "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}]})
+        if include_usage:
+            yield sse({**head, "object": "text_completion", "choices": [],
+                       "usage": _usage(states)})
+        yield sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,236 @@
+"""The front end's handle on the engine core: submit, stream results, abort, watch health.
+
+`ProcessEngineClient` runs the engine core in its own process and talks to it over ZMQ with
+msgspec, so HTTP work never stalls the model loop. `ThreadEngineClient` runs the same loop in
+a thread of this process (tests, the offline API's server mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import tempfile
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from muse.engine.args import EngineArgs
+from muse.server.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    EngineStats,
+    FromEngine,
+    RequestFailed,
+    SampleDelta,
+    Shutdown,
+)
+
+logger = logging.getLogger("muse.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; in-flight and new requests fail with a server error."""
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None, status: int) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class EngineClient:
+    """Shared bookkeeping: one queue per in-flight request, fed by the output handler."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats = EngineStats()
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    def _dispatch(self, messages: list) -> None:
+        for message in messages:
+            if isinstance(message, (SampleDelta, RequestFailed)):
+                target = self.queues.get(message.request_id)
+                if target is not None:
+                    target.put_nowait(message)
+            elif isinstance(message, EngineStats):
+                self.stats = message
+            elif isinstance(message, EngineReady):
+                self.ready = message
+            elif isinstance(message, EngineDead):
+                self._mark_dead(message.message)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            logger.error("engine core died: %s", reason)
+            self.dead_reason = reason
+        for target in self.queues.values():
+            target.put_nowait(EngineDead(reason))
+
+    def _submit(self, command) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params
+                       ) -> AsyncIterator[SampleDelta]:
+        """Deltas of every sample of one request until all are finished.
+
+        Leaving early (a client that went away) aborts the request in the engine.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        target: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = target
+        unfinished = set(range(params.n))
+        try:
+            self._submit(AddRequest(request_id, prompt_token_ids, params))
+            while unfinished:
+                message = await target.get()
+                if isinstance(message, EngineDead):
+                    raise EngineDeadError(message.message)
+                if isinstance(message, RequestFailed):
+                    raise RequestError(message.message, message.param, message.status)
+                if message.finish_reason is not None:
+                    unfinished.discard(message.index)
+                yield message
+        finally:
+            del self.queues[request_id]
+            if unfinished and self.dead_reason is None:
+                self._submit(AbortRequest(request_id))
+
+    def abort(self, request_id: str) -> None:
+        if self.dead_reason is None:
+            self._submit(AbortRequest(request_id))
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ThreadEngineClient(EngineClient):
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.commands: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+
+    def _submit(self, command) -> None:
+        self.commands.put(command)
+
+    async def start(self) -> None:
+        from muse.engine.engine import EngineCore
+        from muse.server.engine_loop import EngineLoop
+
+        self.loop = asyncio.get_running_loop()
+        engine = await asyncio.to_thread(EngineCore, self.args)
+
+        def receive(timeout: float) -> list:
+            try:
+                commands = [self.commands.get(timeout=timeout) if timeout else
+                            self.commands.get_nowait()]
+            except queue.Empty:
+                return []
+            while True:
+                try:
+                    commands.append(self.commands.get_nowait())
+                except queue.Empty:
+                    return commands
+
+        def send(messages: list) -> None:
+            self.loop.call_soon_threadsafe(self._dispatch, messages)
+
+        engine_loop = EngineLoop(engine, receive, send)
+        self.ready = engine_loop.ready_message()
+
+        def run() -> None:
+            try:
+                engine_loop.run()
+            except Exception as error:
+                logger.exception("engine loop failed")
+                self.loop.call_soon_threadsafe(self._mark_dead, f"{type(error).__name__}: {error}")
+
+        self.thread = threading.Thread(target=run, name="muse-engine", daemon=True)
+        self.thread.start()
+
+    async def shutdown(self) -> None:
+        self._submit(Shutdown())
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 10)
+
+
+class ProcessEngineClient(EngineClient):
+    def __init__(self, args: EngineArgs, start_timeout_s: float = 600.0) -> None:
+        super().__init__()
+        self.args = args
+        self.start_timeout_s = start_timeout_s
+        self.process: multiprocessing.Process | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from muse.server.engine_loop import run_engine_process
+
+        self.loop = asyncio.get_running_loop()
+        self.socket_dir = tempfile.mkdtemp(prefix="muse-")
+        to_engine = f"ipc://{Path(self.socket_dir) / 'in'}"
+        from_engine = f"ipc://{Path(self.socket_dir) / 'out'}"
+        self.context = zmq.asyncio.Context()
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.bind(to_engine)
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.bind(from_engine)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(FromEngine)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine_process, name="muse-engine-core",
+                                     args=(self.args, to_engine, from_engine), daemon=True)
+        self.process.start()
+        self.tasks = [asyncio.create_task(self._read_outputs()),
+                      asyncio.create_task(self._watch_process())]
+        waited = 0.0
+        while self.ready is None:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if waited > self.start_timeout_s:
+                raise EngineDeadError("the engine core did not start in time")
+            await asyncio.sleep(0.1)
+            waited += 0.1
+
+    def _submit(self, command) -> None:
+        self.outbox.send(self.encoder.encode(command), copy=False)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            self._dispatch(self.decoder.decode(await self.inbox.recv()))
+
+    async def _watch_process(self) -> None:
+        while self.process.is_alive():
+            await asyncio.sleep(0.5)
+        # Let a last message (its reason) arrive before declaring the cause unknown.
+        await asyncio.sleep(0.2)
+        self._mark_dead(f"the engine core process exited with code {self.process.exitcode}")
+
+    async def shutdown(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.process is not None and self.process.is_alive():
+            self._submit(Shutdown())
+            await asyncio.to_thread(self.process.join, 10)
+            if self.process.is_alive():
+                self.process.kill()
+        self.outbox.close(linger=0)
+        self.inbox.close(linger=0)
+        self.context.term()

@@ -1,0 +1,143 @@
+"""The engine core's main loop: take commands, step the engine, report deltas and stats.
+
+The loop is the same in its own process (commands and results over ZMQ) and in a thread of
+the server process (tests, `--engine-in-process`); only `receive` and `send` differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from muse.engine.args import EngineArgs
+from muse.engine.engine import EngineCore
+from muse.engine.errors import InvalidRequestError
+from muse.engine.request import Request
+from muse.server.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineReady,
+    EngineStats,
+    RequestFailed,
+    SampleDelta,
+    Shutdown,
+)
+
+logger = logging.getLogger("muse.engine")
+STATS_INTERVAL_S = 0.2
+
+
+def engine_stats(engine: EngineCore) -> EngineStats:
+    kv = engine.kv_cache
+    return EngineStats(
+        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+        kv_usage=kv.usage(), kv_blocks_used=sum(p.num_used for p in kv.pools.values()),
+        prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+        num_preemptions=engine.scheduler.num_preemptions)
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, receive: Callable[[float], list],
+                 send: Callable[[list], None]) -> None:
+        self.engine = engine
+        self.receive = receive  # (timeout seconds) -> commands
+        self.send = send
+        self.reported: dict[str, int] = {}  # request_id of a sample -> tokens sent
+
+    def ready_message(self) -> EngineReady:
+        engine = self.engine
+        return EngineReady(model=engine.args.model, vocab_size=engine.config.vocab_size,
+                           max_model_len=engine.max_model_len,
+                           max_num_seqs=engine.args.max_num_seqs,
+                           eos_token_ids=list(engine.eos_token_ids))
+
+    def _handle(self, command) -> list:
+        if isinstance(command, AddRequest):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids,
+                                        command.params)
+            except InvalidRequestError as error:
+                return [RequestFailed(command.request_id, str(error), error.param)]
+        elif isinstance(command, AbortRequest):
+            for sample in self.engine.requests.get(command.request_id, []):
+                self.reported.pop(sample.request_id, None)
+            self.engine.abort(command.request_id)
+        return []
+
+    def _delta(self, request: Request) -> SampleDelta:
+        sent = self.reported.get(request.request_id, 0)
+        wants_logprobs = request.params.logprobs is not None
+        first = sent == 0
+        if request.is_finished:
+            self.reported.pop(request.request_id, None)
+        else:
+            self.reported[request.request_id] = request.num_tokens - request.num_prompt_tokens
+        return SampleDelta(
+            request_id=request.group_id, index=request.sample_index,
+            token_ids=request.output_token_ids[sent:],
+            logprobs=request.output_logprobs[sent:] if wants_logprobs else None,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
+            else None)
+
+    def run(self) -> None:
+        last_stats = 0.0
+        while True:
+            busy = self.engine.has_unfinished()
+            outputs: list = []
+            for command in self.receive(0.0 if busy else STATS_INTERVAL_S):
+                if isinstance(command, Shutdown):
+                    return
+                outputs.extend(self._handle(command))
+            if self.engine.has_unfinished():
+                outputs.extend(self._delta(r) for r in self.engine.step())
+            now = time.monotonic()
+            if now - last_stats >= STATS_INTERVAL_S or outputs:
+                outputs.append(engine_stats(self.engine))
+                last_stats = now
+            if outputs:
+                self.send(outputs)
+
+
+def run_engine_process(args: EngineArgs, input_address: str, output_address: str) -> None:
+    """Entry point of the engine process: build the engine, then serve the loop over ZMQ."""
+    import msgspec
+    import zmq
+
+    from muse.server.messages import EngineDead, ToEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToEngine)
+
+    def send(messages: list) -> None:
+        outbox.send(encoder.encode(messages))
+
+    def receive(timeout: float) -> list:
+        commands = []
+        if inbox.poll(int(timeout * 1000)):
+            while True:
+                try:
+                    commands.append(decoder.decode(inbox.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return commands
+
+    try:
+        loop = EngineLoop(EngineCore(args), receive, send)
+        send([loop.ready_message()])
+        loop.run()
+    except Exception as error:  # reported to the front end, which fails in-flight requests
+        logger.exception("engine core died")
+        send([EngineDead(f"{type(error).__name__}: {error}")])
+        raise
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        context.term()

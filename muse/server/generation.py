@@ -1,0 +1,87 @@
+"""One request's life in the front end: engine deltas -> text deltas, stop strings, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from muse.detokenizer import IncrementalDetokenizer
+from muse.engine.request import TokenLogprobs
+from muse.engine.sampling_params import SamplingParams
+from muse.server.engine_client import EngineClient
+from muse.server.metrics import ServerMetrics
+
+
+@dataclass
+class SampleUpdate:
+    """What sample `index` added since its last update."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerationState:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    texts: dict[int, str] = field(default_factory=dict)
+
+
+async def generate(client: EngineClient, tokenizer, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams, metrics: ServerMetrics, state: GenerationState,
+                   hidden_token_ids: frozenset[int] | None = None
+                   ) -> AsyncIterator[SampleUpdate]:
+    """Updates of every sample until all finish; stop strings end a sample early."""
+    arrival = time.monotonic()
+    last_token_time: float | None = None
+    detokenizers = {i: IncrementalDetokenizer(tokenizer, params, hidden_token_ids)
+                    for i in range(params.n)}
+    unfinished = set(range(params.n))
+    status = "abort"
+    try:
+        async for delta in client.generate(request_id, prompt_token_ids, params):
+            if delta.index not in unfinished:
+                continue  # a sample already ended by a stop string
+            now = time.monotonic()
+            if last_token_time is None:
+                metrics.time_to_first_token.observe(now - arrival)
+                state.num_prompt_tokens = delta.num_prompt_tokens
+                state.num_cached_tokens = delta.num_cached_tokens
+            elif delta.token_ids:
+                for _ in delta.token_ids:
+                    metrics.inter_token_latency.observe((now - last_token_time)
+                                                        / len(delta.token_ids))
+            last_token_time = now
+            if delta.prompt_logprobs is not None:
+                state.prompt_logprobs = delta.prompt_logprobs
+            finish, stop_reason = delta.finish_reason, None
+            if finish == "stop" and delta.token_ids:
+                stop_reason = delta.token_ids[-1]
+            detokenizer = detokenizers[delta.index]
+            text = detokenizer.update(delta.token_ids, finished=finish is not None,
+                                      drop_last=finish == "stop")
+            if text.stop is not None:
+                finish, stop_reason = "stop", text.stop
+            state.num_output_tokens += len(delta.token_ids)
+            metrics.generation_tokens.inc(len(delta.token_ids))
+            state.texts[delta.index] = detokenizer.text
+            if finish is not None:
+                unfinished.discard(delta.index)
+            yield SampleUpdate(delta.index, text.text, delta.token_ids, delta.logprobs or [],
+                               finish, stop_reason)
+            if not unfinished:
+                status = "finished"
+                break
+    finally:
+        # Samples a stop string ended are still running in the engine: leaving the engine's
+        # stream (here or because the client went away) aborts them.
+        metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        metrics.e2e_latency.observe(time.monotonic() - arrival)
+        metrics.requests.labels(status=status).inc()

@@ -1,0 +1,91 @@
+"""OpenAI response bodies and SSE framing shared by chat and completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from muse.engine.request import TokenLogprobs
+from muse.server.engine_client import EngineDeadError, RequestError
+from muse.server.errors import APIError, error_body
+from muse.server.generation import GenerationState, SampleUpdate
+
+
+def usage(state: GenerationState) -> dict[str, Any]:
+    return {"prompt_tokens": state.num_prompt_tokens,
+            "completion_tokens": state.num_output_tokens,
+            "total_tokens": state.num_prompt_tokens + state.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": state.num_cached_tokens}}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprobs | None],
+                        text_offset: int = 0) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        if entry is None:  # the first prompt token has no logprob
+            tokens.append(None)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            continue
+        text = token_text(tokenizer, entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.logprob)
+        top.append({token_text(tokenizer, t): lp for t, lp in entry.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+async def first_then_rest(updates: AsyncIterator[SampleUpdate]
+                          ) -> tuple[SampleUpdate | None, AsyncIterator[SampleUpdate]]:
+    """Wait for the first update before answering, so admission errors become a 4xx."""
+    try:
+        first = await updates.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except RequestError as error:
+        await updates.aclose()
+        raise APIError(error.status, str(error), param=error.param) from None
+    except EngineDeadError as error:
+        await updates.aclose()
+        raise APIError(500, f"the engine failed: {error}", code="engine_dead") from None
+
+    async def rest() -> AsyncIterator[SampleUpdate]:
+        if first is not None:
+            yield first
+        async for update in updates:
+            yield update
+
+    return first, rest()
+
+
+def stream_error(error: Exception) -> str:
+    status = 500
+    message = f"the engine failed: {error}" if isinstance(error, EngineDeadError) else str(error)
+    return sse(error_body(status, message, code="engine_dead"))

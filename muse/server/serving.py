@@ -1,0 +1,181 @@
+"""Request -> engine input: prompt tokens, sampling parameters and output constraints.
+
+Everything here runs before the engine sees the request, so each problem is a 400 naming the
+field, and nothing is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from muse.chat_format import SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, \
+    TOOL_CALL_START_ID
+from muse.engine.errors import InvalidRequestError
+from muse.engine.sampling_params import SamplingParams, validate_prompt
+from muse.engine.structured_output import StructuredOutput
+from muse.server.errors import APIError
+from muse.server.messages import EngineReady
+from muse.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+
+# A chat reply keeps the tags its parsers read and drops the other special tokens.
+CHAT_HIDDEN_TOKEN_IDS = frozenset(range(len(SPECIAL_TOKENS))) - {
+    THINK_START_ID, THINK_END_ID, TOOL_CALL_START_ID, TOOL_CALL_END_ID}
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "video_url": "video",
+               "audio_url": "audio", "input_audio": "audio"}
+
+
+@dataclass
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    chat_template: str | None = None
+    max_queued_requests: int = 1024
+
+
+def structured_output_for(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput("json")
+    if response_format.json_schema is None or not response_format.json_schema.schema_:
+        raise APIError(400, "`response_format.json_schema.schema` is required for type "
+                            "json_schema", param="response_format.json_schema")
+    return StructuredOutput.for_schema(response_format.json_schema.schema_)
+
+
+def check_model(requested: str | None, options: ServerOptions) -> None:
+    if requested is not None and requested != options.served_model_name:
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model",
+                       code="model_not_found")
+
+
+def _check_media(messages: list) -> None:
+    """Media parts are checked (well-formed URLs), then refused: no encoder is wired in yet."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind in ("text", "input_text"):
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}.text must be a string", param=where)
+                continue
+            if kind not in MEDIA_PARTS:
+                raise APIError(400, f"{where}.type {kind!r} is not a known content part type",
+                               param=f"{where}.type")
+            payload = part.get(kind)
+            url = payload.get("url") if isinstance(payload, dict) else payload
+            if kind != "input_audio":
+                parsed = urlparse(url) if isinstance(url, str) else None
+                if parsed is None or parsed.scheme not in ("http", "https", "data") or \
+                        (parsed.scheme != "data" and not parsed.netloc):
+                    raise APIError(400, f"{where}.{kind}.url must be an http(s) or data URL",
+                                   param=f"{where}.{kind}.url")
+            raise APIError(400, f"{MEDIA_PARTS[kind]} input is not supported by this server "
+                                "yet", param=where)
+
+
+@dataclass
+class ChatPlan:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    parse_reasoning: bool
+    parse_tools: bool
+    tools: list[dict] | None
+
+
+def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
+              options: ServerOptions) -> ChatPlan:
+    check_model(request.model, options)
+    _check_media(request.messages)
+    tools = [t.model_dump() for t in request.tools] if request.tools else None
+    choice = request.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(400, "`tool_choice` needs `tools`", param="tool_choice")
+    if choice == "auto" and tools and not (options.enable_auto_tool_choice
+                                           and options.tool_call_parser):
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                            "--tool-call-parser", param="tool_choice")
+    structured = structured_output_for(request.response_format)
+    if choice == "required" or not isinstance(choice, str):
+        if structured is not None:
+            raise APIError(400, "`response_format` cannot be combined with a forced tool call",
+                           param="response_format")
+        functions = [t["function"] for t in tools]
+        if not isinstance(choice, str):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise APIError(400, f"`tool_choice` names {choice.function.name!r}, which is "
+                                    "not among `tools`", param="tool_choice")
+        structured = StructuredOutput.for_tools(
+            functions, parallel=choice == "required" and request.parallel_tool_calls)
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    for message in messages:
+        if message["role"] == "developer":
+            message["role"] = "system"
+    try:
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools if choice != "none" else None,
+            add_generation_prompt=request.add_generation_prompt, tokenize=True,
+            **(request.chat_template_kwargs or {}))
+    except Exception as error:  # a template error is the request's fault
+        raise APIError(400, f"cannot render the conversation: {error}", param="messages")
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    params = _params(request, prompt, max_tokens, ready,
+                     request.top_logprobs if request.logprobs else None)
+    params.structured_output = structured
+    return ChatPlan(prompt, params, parse_reasoning=options.reasoning_parser == "muse",
+                    parse_tools=choice != "none" and (options.tool_call_parser == "muse"
+                                                      or structured is not None
+                                                      and structured.kind == "tool_calls"),
+                    tools=tools)
+
+
+def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineReady,
+            logprobs: int | None) -> SamplingParams:
+    try:
+        validate_prompt(prompt, ready.vocab_size, ready.max_model_len)
+    except InvalidRequestError as error:
+        status = 400
+        raise APIError(status, str(error), param="messages" if hasattr(request, "messages")
+                       else "prompt", code="context_length_exceeded") from None
+    room = ready.max_model_len - len(prompt)
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {ready.max_model_len} "
+                            f"tokens; the prompt has {len(prompt)} and max_tokens asks for "
+                            f"{max_tokens}", param="max_tokens", code="context_length_exceeded")
+    params = request.sampling_params(max_tokens or room, logprobs)
+    try:
+        params.validate(ready.vocab_size)
+    except InvalidRequestError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    return params
+
+
+def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "`prompt` is empty", param="prompt")
+    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in prompts]
+
+
+def plan_completion(request: CompletionRequest, prompt: list[int], ready: EngineReady,
+                    options: ServerOptions) -> SamplingParams:
+    check_model(request.model, options)
+    if request.suffix is not None:
+        raise APIError(400, "`suffix` is not supported", param="suffix")
+    params = _params(request, prompt, request.max_tokens, ready, request.logprobs)
+    params.structured_output = structured_output_for(request.response_format)
+    return params
