@@ -69,7 +69,12 @@ class EngineCore:
         budget = kv_budget_bytes(args.kv_cache_memory_bytes, self.device,
                                  args.gpu_memory_utilization)
         num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
-                                  args.max_num_seqs, args.max_num_batched_tokens)
+                                  args.max_num_seqs, args.max_num_batched_tokens,
+                                  args.max_model_len or self.config.max_position_embeddings)
+        if min(num_blocks.values()) < 2:
+            raise ValueError(f"a KV cache budget of {budget / 2**20:.1f} MiB is too small for "
+                             "this model; raise `kv_cache_memory_bytes` or "
+                             "`gpu_memory_utilization`, or free GPU memory")
         self.kv_cache = KVCacheManager(args.block_size, num_blocks, self.config.sliding_window,
                                        args.enable_prefix_caching)
         self.max_model_len = self._check_capacity(num_blocks)

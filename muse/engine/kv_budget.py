@@ -26,22 +26,25 @@ def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype) -> dict
 
 
 def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.dtype,
-                 max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, int]:
+                 max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> dict[str, int]:
     """Blocks per kind (the null block included).
 
     Sliding layers never hold more tokens than global ones, and each running request keeps at
     most a window plus the chunk it computes; the sliding pool gets that much for every
     sequence, twice over so cached windows of shared prefixes can stay, and global layers get
-    the rest.
+    the rest. No pool gets more than `max_num_seqs` full-length sequences could hold: a small
+    model on a large GPU would otherwise take all its memory for blocks nobody can use.
     """
     sizes = block_bytes(config, block_size, dtype)
+    most = max_num_seqs * -(-max_model_len // block_size) + 1
     if len(sizes) == 1:
         (kind, size), = sizes.items()
-        return {kind: budget // size}
+        return {kind: min(budget // size, most)}
     sliding, full = sizes[SLIDING], sum(v for k, v in sizes.items() if k != SLIDING)
     equal = budget // (sliding + full)
     window_blocks = -(-config.sliding_window // block_size) + 1
     need = max_num_seqs * (window_blocks + 1) + -(-max_num_batched_tokens // block_size)
-    num_sliding = min(equal, 2 * need)
-    num_full = (budget - num_sliding * sliding) // full
+    num_sliding = min(equal, 2 * need, most)
+    num_full = min((budget - num_sliding * sliding) // full, most)
     return {kind: num_sliding if kind == SLIDING else num_full for kind in sizes}
