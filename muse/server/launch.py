@@ -7,8 +7,6 @@ import logging
 from pathlib import Path
 
 from muse.engine.args import EngineArgs
-from muse.engine.engine import load_tokenizer
-from muse.server.serving import ServerOptions
 
 logger = logging.getLogger("muse.server")
 
@@ -56,8 +54,10 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
 
 def build_from_args(args: argparse.Namespace):
     """The app for these flags (the engine starts with the app's lifespan)."""
+    from muse.engine.engine import load_tokenizer
     from muse.server.app import build_app
     from muse.server.engine_client import ProcessEngineClient, ThreadEngineClient
+    from muse.server.serving import ServerOptions
 
     engine_args = engine_args_from(args)
     engine_args.validate()
