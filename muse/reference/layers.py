@@ -29,15 +29,17 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention over a whole (padded) batch, causal, optionally windowed."""
+class AttentionProjections(nn.Module):
+    """The parameters of a GQA attention layer and the q/k/v computation both paths share."""
 
     def __init__(self, config: TextConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_type = config.layer_types[layer_index]
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sliding_window = config.layer_window(layer_index)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
         bias = config.attention_bias
         hidden, q_width = config.hidden_size, self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
@@ -51,21 +53,31 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape x.shape[:-1] + (heads, head_dim): normed per head, then rotated."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+class Attention(AttentionProjections):
+    """Grouped-query attention over a whole (padded) batch, causal, optionally windowed."""
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
 
         # Each KV head serves a group of consecutive query heads.
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(self.head_dim)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * self.scale
 
         # Masks are built from positions, not indices, so left padding needs no special case.
         query_pos, key_pos = positions[:, :, None], positions[:, None, :]

@@ -42,19 +42,21 @@ def init_weights(module: nn.Module, seed: int, std: float) -> None:
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: TextConfig, layer_index: int) -> None:
+    def __init__(self, config: TextConfig, layer_index: int,
+                 attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_index]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LatentMoE(config) if config.is_moe else DenseMLP(config.hidden_size,
                                                                     config.intermediate_size)
 
     def forward(self, x: torch.Tensor, rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                positions: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+                **attention_inputs) -> torch.Tensor:
+        """`attention_inputs`: what this layer's attention needs besides x, cos and sin."""
         cos, sin = rotary[self.layer_type]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, key_padding)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **attention_inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,7 +110,7 @@ class MuseForCausalLM(nn.Module):
         wanted = {i % self.config.num_hidden_layers for i in hidden_layers}
         hidden_states = {}
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, position_ids, key_padding)
+            x = layer(x, rotary, positions=position_ids, key_padding=key_padding)
             if index in wanted:
                 hidden_states[index] = x
         logits = self.lm_head(self.model.norm(x))
