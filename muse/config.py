@@ -257,7 +257,7 @@ class MuseSparkConfig:
         vision = data.pop("vision_config", None)
         audio = data.pop("audio_config", None)
         unknown = set(data) - {"name", "dtype"}
-        _require(not unknown, "config.json", f"known top-level keys", sorted(unknown))
+        _require(not unknown, "config.json", "known top-level keys", sorted(unknown))
         return cls(
             text_config=text,
             vision_config=_build(VisionConfig, vision, "vision_config") if vision else None,

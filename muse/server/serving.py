@@ -141,8 +141,7 @@ def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineRea
     try:
         validate_prompt(prompt, ready.vocab_size, ready.max_model_len)
     except InvalidRequestError as error:
-        status = 400
-        raise APIError(status, str(error), param="messages" if hasattr(request, "messages")
+        raise APIError(400, str(error), param="messages" if hasattr(request, "messages")
                        else "prompt", code="context_length_exceeded") from None
     room = ready.max_model_len - len(prompt)
     if max_tokens is not None and max_tokens > room:
