@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from muse.config import ConfigError, MuseSparkConfig
-from muse.presets import PRESETS, get_preset
+from muse.presets import PRESETS, default_model, get_preset
 
 
 def resolve_config(preset_or_path: str) -> MuseSparkConfig:
@@ -43,7 +43,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     print(f"trained a {tokenizer.vocab_size}-token tokenizer on {len(files)} files -> {args.out}")
 
 
-DEFAULT_MODEL = "muse-spark-tiny"
+DEFAULT_MODEL = default_model()
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -54,8 +54,10 @@ def _engine_args(args: argparse.Namespace) -> dict:
 def _sampling(args: argparse.Namespace):
     from muse.engine.sampling_params import SamplingParams
 
+    # Special tokens stay visible so a reply shows its reasoning block and tool calls.
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.sampling_seed)
+                          max_tokens=args.max_tokens, seed=args.sampling_seed,
+                          skip_special_tokens=False)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -93,6 +95,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from muse.server.launch import serve
 
     serve(args)
+
+
+def cmd_train_pretrain(args: argparse.Namespace) -> None:
+    from muse.train.pretrain import run_from_args
+
+    run_from_args(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from muse.eval.run import run_from_args
+
+    run_from_args(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from muse.bench.serve import run_from_args
+
+    run_from_args(args)
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +175,32 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("files", nargs="+", help="training text files")
     tok.add_argument("--vocab-size", type=int, default=8192)
     tok.set_defaults(func=cmd_train_tokenizer)
+
+    from muse.eval.options import add_arguments as add_eval_arguments
+    from muse.train.options import add_arguments as add_pretrain_arguments
+
+    train = sub.add_parser("train", help="train a model")
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+    pretrain = train_sub.add_parser("pretrain", help="pretrain from scratch on local data")
+    add_pretrain_arguments(pretrain)
+    pretrain.set_defaults(func=cmd_train_pretrain)
+
+    evaluate = sub.add_parser("eval", help="score a model on held-out tasks (arithmetic, "
+                                           "tool calls, instructions, Python)")
+    evaluate.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                          help="a checkpoint folder or a preset (random weights)")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
+
+    from muse.bench.options import add_arguments as add_bench_serve_arguments
+
+    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server with agentic, shared-prefix or random "
+                      "traffic; see docs/benchmarking.md")
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

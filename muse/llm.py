@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
 from muse.engine.args import EngineArgs
+from muse.presets import default_model
 from muse.engine.engine import EngineCore
 from muse.detokenizer import IncrementalDetokenizer
 from muse.engine.request import Request
@@ -18,8 +19,9 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str = "muse-spark-tiny", **engine_args: Any) -> None:
-        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint folder or a preset; by default the shipped model."""
+        self.engine = EngineCore(EngineArgs(model=model or default_model(), **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from muse.config import (
@@ -101,10 +102,36 @@ def tiny() -> MuseSparkConfig:
     return MuseSparkConfig(text, vision, audio, name="muse-spark-tiny", dtype="float32")
 
 
+def spark_default() -> MuseSparkConfig:
+    """The model shipped in checkpoints/: every Muse feature (sliding + global attention, GQA,
+    q/k norm, latent MoE with per-expert norm) at 18.9M parameters (37.8 MB in bf16), small
+    enough to train in minutes on one GPU and to answer on a CPU."""
+    text = TextConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=8,
+        sliding_window=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_parameters=_rope(100_000.0, 4.0, 1024),
+        max_position_embeddings=4096,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        moe_latent_size=128,
+        expert_norm=True,
+        num_shared_experts=0,
+        tie_word_embeddings=False,
+    )
+    return MuseSparkConfig(text, name="muse-spark-default")
+
+
 PRESETS: dict[str, Callable[[], MuseSparkConfig]] = {
     "muse-spark-open-816b-a42b": full_816b,
     "muse-spark-15b-a2b": spark_15b,
     "muse-spark-tiny": tiny,
+    "muse-spark-default": spark_default,
 }
 
 
@@ -112,3 +139,13 @@ def get_preset(name: str) -> MuseSparkConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+# The trained model shipped in the repository; presets stand in where it is absent.
+SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "muse-spark-default"
+
+
+def default_model() -> str:
+    """What `muse serve`, `muse chat` and `LLM()` use when no model is named."""
+    return str(SHIPPED_CHECKPOINT) if (SHIPPED_CHECKPOINT / "config.json").is_file() \
+        else "muse-spark-tiny"

@@ -57,6 +57,21 @@ PRETOKENIZE_PATTERN = (
 _SPECIAL_TOKEN_SPLIT = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
 
 
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level alphabet read backwards: printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, shift = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[chr(byte)] = byte
+        else:
+            mapping[chr(256 + shift)] = byte
+            shift += 1
+    return mapping
+
+
 @lru_cache(maxsize=8)
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile a chat template with the same environment transformers uses."""
@@ -188,6 +203,14 @@ class MuseTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-level token may be part of a character)."""
+        token = self.tokenizer.id_to_token(token_id) or ""
+        if token_id < NUM_SPECIAL_TOKENS:
+            return token.encode()
+        decoder = _byte_level_decoder()
+        return bytes(decoder[char] for char in token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids.

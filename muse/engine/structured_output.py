@@ -36,13 +36,36 @@ class StructuredOutput:
 
     @staticmethod
     def for_schema(schema: dict[str, Any]) -> StructuredOutput:
-        return StructuredOutput("json_schema", schema=json.dumps(schema, sort_keys=True))
+        return StructuredOutput("json_schema",
+                                schema=json.dumps(bounded_strings_as_patterns(schema),
+                                                  sort_keys=True))
 
     @staticmethod
     def for_tools(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         return StructuredOutput("tool_calls", tools=tuple(json.dumps(f, sort_keys=True)
                                                           for f in functions),
                                 parallel=parallel)
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """Rewrite strings with minLength / maxLength as an equivalent pattern.
+
+    xgrammar 0.2.9 lets raw control characters into length-bounded strings (invalid JSON);
+    the pattern it builds for `[^"\\\x00-\x1f]{m,n}` does not. Such strings then hold no
+    escape sequences, which only narrows what the model may write.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rewritten = {key: bounded_strings_as_patterns(value) for key, value in schema.items()}
+    bounded = "minLength" in schema or "maxLength" in schema
+    if schema.get("type") == "string" and bounded and "pattern" not in schema \
+            and "format" not in schema:
+        low = rewritten.pop("minLength", 0)
+        high = rewritten.pop("maxLength", "")
+        rewritten["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return rewritten
 
 
 def _tool_call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:

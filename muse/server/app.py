@@ -14,7 +14,7 @@ from pydantic import ValidationError
 import muse
 from muse.server.chat import chat_completion
 from muse.server.completions import completion
-from muse.server.engine_client import EngineClient
+from muse.server.engine_client import EngineClient, EngineDeadError
 from muse.server.errors import APIError, error_response, validation_error_response
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import (
@@ -66,6 +66,11 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions) -> FastAP
         metrics.requests.labels(status=f"http_{error.status}").inc()
         return error_response(error)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        metrics.requests.labels(status="http_500").inc()
+        return error_response(APIError(500, f"the engine failed: {error}", code="engine_dead"))
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
         metrics.requests.labels(status="http_400").inc()
@@ -83,7 +88,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions) -> FastAP
         """Parse the JSON body ourselves so bad JSON and bad fields are both a 400."""
         try:
             data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
             raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json")
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")

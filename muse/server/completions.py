@@ -92,6 +92,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
 
     tasks = [asyncio.create_task(pump(p)) for p in range(len(streams))]
     echoed: set[tuple[int, int]] = set()
+    offsets: dict[tuple[int, int], int] = {}  # text offset of each choice's next token
     remaining = len(streams)
     try:
         while remaining:
@@ -102,12 +103,16 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
             if isinstance(update, Exception):
                 yield stream_error(update)
                 return
-            text = update.text
-            if request.echo and (p, update.index) not in echoed:
-                echoed.add((p, update.index))
+            text, entries = update.text, list(update.logprobs)
+            key = (p, update.index)
+            if request.echo and key not in echoed:
+                echoed.add(key)
                 text = echo_texts[p] + text
-            logprobs = completion_logprobs(tokenizer, update.logprobs) \
-                if request.logprobs is not None else None
+                entries = (states[p].prompt_logprobs or []) + entries
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(tokenizer, entries, offsets.get(key, 0))
+                offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"] if t)
             yield sse({**head, "object": "text_completion", "choices": [{
                 "index": p * n + update.index, "text": text, "logprobs": logprobs,
                 "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}]})

@@ -40,9 +40,23 @@ def error_response(error: APIError) -> JSONResponse:
 def validation_error_response(errors: list[dict]) -> JSONResponse:
     """A pydantic validation failure as a 400 naming the first bad field."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = _field_path(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
     return JSONResponse(error_body(400, message, param, "invalid_value"), status_code=400)
+
+
+def _field_path(location: tuple) -> str | None:
+    """pydantic's error location as `messages[0].content`, without its union-member tags."""
+    path = ""
+    for part in location:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict"):
+            continue  # e.g. "literal['none','auto']" or "list[int]": which union member failed
+        else:
+            path += f".{part}" if path else part
+    return path or None

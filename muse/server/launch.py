@@ -66,8 +66,9 @@ def build_from_args(args: argparse.Namespace):
         raise ValueError(f"{args.model} has no tokenizer; the server needs one")
     if args.chat_template:
         tokenizer.chat_template = Path(args.chat_template).read_text()
+    model_name = Path(args.model).name if Path(args.model).is_dir() else args.model
     options = ServerOptions(
-        served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+        served_model_name=args.served_model_name or model_name, api_key=args.api_key,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_queued_requests=args.max_queued_requests)
@@ -80,7 +81,6 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     app = build_from_args(args)
-    logger.info("serving %s at http://%s:%d/v1", args.served_model_name or args.model,
-                args.host, args.port)
+    logger.info("serving %s at http://%s:%d/v1", args.model, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=5)

@@ -60,19 +60,19 @@ class SamplingFields(OpenAIModel):
     n: int = Field(1, ge=1, le=128)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[int] = Field(None, ge=-1, le=2**31 - 1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-2**63, le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[int]] = None  # range-checked against the vocabulary
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Optional[str] = None

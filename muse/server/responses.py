@@ -34,8 +34,8 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": token_text(tokenizer, token_id), "logprob": logprob,
+                "bytes": list(tokenizer.token_bytes(token_id))}
 
     return {"content": [{**item(e.token_id, e.logprob),
                          "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}

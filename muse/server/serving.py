@@ -127,7 +127,7 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
         raise APIError(400, f"cannot render the conversation: {error}", param="messages")
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = _params(request, prompt, max_tokens, ready,
-                     request.top_logprobs if request.logprobs else None)
+                     (request.top_logprobs or 0) if request.logprobs else None)
     params.structured_output = structured
     return ChatPlan(prompt, params, parse_reasoning=options.reasoning_parser == "muse",
                     parse_tools=choice != "none" and (options.tool_call_parser == "muse"
@@ -138,21 +138,23 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
 
 def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineReady,
             logprobs: int | None) -> SamplingParams:
-    try:
-        validate_prompt(prompt, ready.vocab_size, ready.max_model_len)
-    except InvalidRequestError as error:
-        raise APIError(400, str(error), param="messages" if hasattr(request, "messages")
-                       else "prompt", code="context_length_exceeded") from None
+    prompt_field = "messages" if hasattr(request, "messages") else "prompt"
+    if len(prompt) >= ready.max_model_len:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's maximum context "
+                            f"length is {ready.max_model_len} tokens, prompt and output "
+                            "together", param=prompt_field, code="context_length_exceeded")
     room = ready.max_model_len - len(prompt)
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {ready.max_model_len} "
                             f"tokens; the prompt has {len(prompt)} and max_tokens asks for "
                             f"{max_tokens}", param="max_tokens", code="context_length_exceeded")
-    params = request.sampling_params(max_tokens or room, logprobs)
     try:
+        validate_prompt(prompt, ready.vocab_size, ready.max_model_len)
+        params = request.sampling_params(max_tokens or room, logprobs)
         params.validate(ready.vocab_size)
     except InvalidRequestError as error:
-        raise APIError(400, str(error), param=error.param) from None
+        param = prompt_field if error.param == "prompt" else error.param
+        raise APIError(400, str(error), param=param, code="invalid_value") from None
     return params
 
 

@@ -1,0 +1,51 @@
+"""The `muse eval` settings and flags, kept free of torch so the CLI starts fast."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+SECTIONS = ("arithmetic", "tools", "instructions", "python")
+
+
+@dataclass
+class EvalSettings:
+    num: int = 200  # problems per category (operation x digits, tool requests, instruction kind)
+    seed: int = 1
+    sections: tuple[str, ...] = SECTIONS
+    max_tokens: int = 512  # cap on any reply (each also gets a budget from its right answer)
+    max_digits: int = 4
+    python_files: int = 40
+    python_tokens: int = 512
+    unigram_chars: int = 4_000_000
+    python_packages: bool = True
+
+    def validate(self) -> None:
+        unknown = [s for s in self.sections if s not in SECTIONS]
+        if unknown:
+            raise ValueError(f"--sections must be among {list(SECTIONS)}, got {unknown}")
+        for name in ("num", "max_tokens", "max_digits", "python_files", "python_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EvalSettings()
+    parser.add_argument("--num", type=int, default=defaults.num,
+                        help="held-out problems per category")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="chooses which held-out problems are asked")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, among {', '.join(SECTIONS)}")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--max-digits", type=int, default=defaults.max_digits)
+    parser.add_argument("--python-files", type=int, default=defaults.python_files)
+    parser.add_argument("--python-tokens", type=int, default=defaults.python_tokens)
+    parser.add_argument("--unigram-chars", type=int, default=defaults.unigram_chars,
+                        help="characters of training source counted for the unigram baseline")
+    parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
+                        help="use only the standard library's Python source")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])

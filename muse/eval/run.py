@@ -1,0 +1,163 @@
+"""`muse eval`: every section through one engine, a printed table and a JSON report.
+
+`evaluate` is the entry point for code; `failed_bars` compares a report with thresholds, and
+`check_model` does both on a small sample (what a test of the shipped model calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from muse.eval.arithmetic import evaluate_arithmetic
+from muse.eval.generation import SectionResult
+from muse.eval.instructions import evaluate_instructions
+from muse.eval.options import EvalSettings
+from muse.eval.python_loss import evaluate_python
+from muse.eval.tools import evaluate_tools
+from muse.llm import LLM
+from muse.train.data import arithmetic, instructions
+
+# The issue's acceptance figures (greedy, held-out), as dotted paths into the report.
+ACCEPTANCE_BARS: dict[str, float] = {
+    "arithmetic.add.2.exact": 0.95,
+    "arithmetic.sub.2.exact": 0.95,
+    "tools.valid": 0.95,
+    "tools.correct": 0.90,
+    "replies.ends_with_end_of_turn": 1.0,
+}
+
+
+def evaluate(model: str, settings: EvalSettings | None = None, **engine_args: Any
+             ) -> dict[str, Any]:
+    """Score `model` (a checkpoint folder or a preset) on the chosen sections.
+
+    engine_args go to `muse.LLM` (device, dtype, ...). Returns the JSON-ready report.
+    """
+    settings = settings or EvalSettings()
+    settings.validate()
+    started = time.monotonic()
+    llm = LLM(model, **engine_args)
+    report: dict[str, Any] = {"model": str(model), "settings": dataclasses.asdict(settings),
+                              "device": str(llm.engine.device), "dtype": str(llm.engine.dtype)}
+    sections: dict[str, SectionResult] = {}
+    if "arithmetic" in settings.sections:
+        sections["arithmetic"] = evaluate_arithmetic(llm, settings.num, settings.seed,
+                                                     settings.max_tokens, settings.max_digits)
+    if "tools" in settings.sections:
+        sections["tools"] = evaluate_tools(llm, settings.num, settings.seed, settings.max_tokens)
+    if "instructions" in settings.sections:
+        sections["instructions"] = evaluate_instructions(llm, settings.num, settings.seed,
+                                                         settings.max_tokens)
+    replies = [reply for section in sections.values() for reply in section.replies]
+    for name, section in sections.items():
+        report[name] = section.metrics
+    if replies:
+        report["replies"] = {
+            "count": len(replies),
+            "ends_with_end_of_turn": sum(r.ends_with_end_of_turn for r in replies) / len(replies),
+            "think_well_formed": sum(r.think_well_formed for r in replies) / len(replies)}
+    if "python" in settings.sections:
+        report["python"] = evaluate_python(llm, settings.python_files, settings.python_tokens,
+                                           settings.seed, settings.unigram_chars,
+                                           settings.python_packages)
+    report["examples"] = {name: section.examples for name, section in sections.items()}
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def metric(report: Mapping[str, Any], path: str) -> float | None:
+    """The number at a dotted path such as `arithmetic.add.2.exact`, or None if absent."""
+    value: Any = report
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def failed_bars(report: Mapping[str, Any], bars: Mapping[str, float]) -> list[str]:
+    """One line per bar the report misses (or does not measure); empty when all pass."""
+    failures = []
+    for path, bar in bars.items():
+        value = metric(report, path)
+        if value is None:
+            failures.append(f"{path} is not in the report")
+        elif value < bar:
+            failures.append(f"{path} = {value:.3f} < {bar}")
+    return failures
+
+
+def check_model(model: str, bars: Mapping[str, float], num: int = 10, device: str = "cpu",
+                sections: tuple[str, ...] = ("arithmetic", "tools")) -> list[str]:
+    """The bars a small greedy sample of `model` misses (1- and 2-digit arithmetic, tool
+    calls). A test of a shipped checkpoint calls this with bars below ACCEPTANCE_BARS, so a
+    broken checkpoint or loader is caught in seconds on a CPU."""
+    settings = EvalSettings(num=num, sections=sections, max_digits=2)
+    return failed_bars(evaluate(model, settings, device=device), bars)
+
+
+def _cell(cell: Mapping[str, float] | None, key: str = "exact") -> str:
+    return "-" if cell is None else f"{cell[key]:.3f} ({cell['count']})"
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), "
+             f"{report['seconds']} s"]
+    if "arithmetic" in report:
+        digits = range(1, report["settings"]["max_digits"] + 1)
+        lines.append("arithmetic, exact match (count)  " + "".join(
+            f"{d}-digit".rjust(16) for d in digits))
+        for operation in arithmetic.OPERATIONS:
+            cells = report["arithmetic"].get(operation, {})
+            lines.append(f"  {operation:31s}" + "".join(
+                _cell(cells.get(str(d))).rjust(16) for d in digits))
+        lines.append(f"  {'all':31s}" + _cell(report["arithmetic"]["overall"]).rjust(16))
+    if "tools" in report:
+        tools = report["tools"]
+        lines.append(f"tool calls ({tools['count']} requests): valid {tools['valid']:.3f}, "
+                     f"correct {tools['correct']:.3f}, answer uses result "
+                     f"{tools['answer_uses_result']:.3f}")
+        for name, cell in sorted(tools["by_tool"].items()):
+            lines.append(f"  {name:31s}valid {_cell(cell, 'valid')}, correct "
+                         f"{cell['correct']:.3f}")
+    if "instructions" in report:
+        lines.append("instructions, exact match (count)")
+        for kind in instructions.KINDS:
+            lines.append(f"  {kind:31s}" + _cell(report["instructions"].get(kind)).rjust(16))
+    if "replies" in report:
+        replies = report["replies"]
+        lines.append(f"replies ({replies['count']}): end with <|end|> "
+                     f"{replies['ends_with_end_of_turn']:.3f}, one leading think block "
+                     f"{replies['think_well_formed']:.3f}")
+    if "python" in report:
+        python = report["python"]
+        lines.append(f"held-out Python ({python['files']} files, {python['tokens']} tokens): "
+                     f"model {python['model_loss']:.3f} nats/token, unigram "
+                     f"{python['unigram_loss']:.3f}, ratio {python['model_over_unigram']:.3f}")
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> None:
+    settings = EvalSettings(
+        num=args.num, seed=args.seed,
+        sections=tuple(s.strip() for s in args.sections.split(",") if s.strip()),
+        max_tokens=args.max_tokens, max_digits=args.max_digits,
+        python_files=args.python_files, python_tokens=args.python_tokens,
+        unigram_chars=args.unigram_chars, python_packages=args.python_packages)
+    report = evaluate(args.model, settings, device=args.device, dtype=args.dtype)
+    report["command"] = sys.argv
+    print(format_table(report))
+    failures = failed_bars(report, {path: bar for path, bar in ACCEPTANCE_BARS.items()
+                                    if path.split(".")[0] in report})
+    print("acceptance bars: " + ("all met" if not failures else "; ".join(failures)))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")

@@ -1,0 +1,1 @@
+"""Training: the default model's pretraining (`muse train pretrain`) and its data."""

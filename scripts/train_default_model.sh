@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Train the shipped default model (preset muse-spark-default) on one GPU, then evaluate it.
+#
+#   scripts/train_default_model.sh OUT [MINUTES] [EVAL_NUM]
+#
+# Run from the repository root, with a python3 that has torch, tokenizers, safetensors, jinja2
+# (and matplotlib for the loss plot); muse itself need not be installed. MINUTES (default 7) is
+# the training budget: the whole command (start-up, training, export, evaluation of EVAL_NUM
+# problems per category, default 200) then fits in about 10 minutes on an H200.
+#
+# The full run folder, optimizer state included, goes to $WORK (default /tmp/muse-default).
+# SEED (default 0) seeds the weights and the data; BATCH_SIZE (default 32) rows of 1024 tokens;
+# LR (default 2e-3) is the peak learning rate.
+# INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
+# on a fresh machine: the optimizer state does not travel, the 38 MB checkpoint does); give
+# it another SEED so the stage sees new data.
+# OUT receives only small files, at most 16 MiB each:
+#   checkpoint.tar.part-NN   the shippable checkpoint folder muse-spark-default/ (weights,
+#                            config, generation config, tokenizer + chat template, training
+#                            log, loss plot, data manifest, summary), in 15 MiB parts:
+#                            cat OUT/checkpoint.tar.part-* | tar -x -C checkpoints/
+#   loss.png, train_summary.json, eval.json, run.log
+set -euo pipefail
+
+OUT=${1:?usage: scripts/train_default_model.sh OUT [MINUTES] [EVAL_NUM]}
+MINUTES=${2:-7}
+EVAL_NUM=${3:-200}
+PYTHON=${PYTHON:-python3}
+WORK=${WORK:-/tmp/muse-default}
+SEED=${SEED:-0}
+LR=${LR:-2e-3}
+BATCH_SIZE=${BATCH_SIZE:-32}
+MODEL="$WORK/muse-spark-default"
+
+export PYTHONPATH=.
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/run.log"
+
+TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$MODEL"
+       --batch-size "$BATCH_SIZE" --seq-len 1024 --lr "$LR" --warmup-steps 100 --seed "$SEED"
+       --time-budget-minutes "$MINUTES")
+if [ -n "${INIT_FROM:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
+echo "+ ${TRAIN[*]}" | tee "$LOG"
+"${TRAIN[@]}" 2>&1 | tee -a "$LOG"
+
+# Export before evaluating, so the weights come back even if evaluation is cut short.
+tar -c -C "$WORK" --exclude training_state.pt --exclude '*.partial' muse-spark-default \
+    | split -b 15M -d -a 2 - "$OUT/checkpoint.tar.part-"
+cp "$MODEL/train_summary.json" "$OUT/"
+if [ -f "$MODEL/loss.png" ]; then cp "$MODEL/loss.png" "$OUT/"; fi
+
+EVAL=("$PYTHON" -m muse.cli eval "$MODEL" --num "$EVAL_NUM" --json "$OUT/eval.json")
+echo "+ ${EVAL[*]}" | tee -a "$LOG"
+"${EVAL[@]}" 2>&1 | tee -a "$LOG"

@@ -1,0 +1,134 @@
+"""The synthetic conversations: deterministic, in the chat format, right answers, split apart."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from muse.chat_format import ASSISTANT_ID, END_OF_TURN_ID, THINK_END_ID, THINK_START_ID
+from muse.eval.schema import schema_errors
+from muse.tokenizer import MuseTokenizer
+from muse.train.data import arithmetic, instructions, tools
+from muse.train.data.conversations import TASKS, sample_conversation
+from muse.train.data.split import HELD_OUT, TRAIN, is_held_out
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> MuseTokenizer:
+    return MuseTokenizer.base()
+
+
+def _conversations(seed: int, count: int, split: str = TRAIN):
+    rng = random.Random(seed)
+    return [sample_conversation(rng, split) for _ in range(count)]
+
+
+def test_generators_are_deterministic_per_seed() -> None:
+    first, again, other = _conversations(7, 50), _conversations(7, 50), _conversations(8, 50)
+    assert first == again
+    assert first != other
+
+
+def test_every_task_appears() -> None:
+    assert {c.task for c in _conversations(0, 200)} == {task.name for task in TASKS}
+
+
+def test_conversations_render_and_round_trip(tokenizer: MuseTokenizer) -> None:
+    for conversation in _conversations(1, 150):
+        text = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        assert text.startswith("<|bos|>")
+        # Every assistant turn opens with one reasoning block and closes with <|end|>.
+        starts = [i for i, token in enumerate(ids) if token == ASSISTANT_ID]
+        assert starts
+        for start in starts:
+            end = ids.index(END_OF_TURN_ID, start)
+            turn = ids[start + 1:end]
+            assert turn[0] == THINK_START_ID
+            assert turn.count(THINK_START_ID) == 1 and turn.count(THINK_END_ID) == 1
+        if conversation.tools:
+            assert "You can call the tools below" in text
+
+
+def _equations_hold(reasoning: str) -> None:
+    for left, right in re.findall(r"([\d+\-*]+)=(-?\d+)", reasoning):
+        assert eval(left) == int(right), (left, right, reasoning)  # digits and + - * only
+
+
+@pytest.mark.parametrize("operation", arithmetic.OPERATIONS)
+def test_arithmetic_answers_and_steps_are_right(operation: str) -> None:
+    rng = random.Random(3)
+    symbol = {"add": "+", "sub": "-", "mul": "*"}[operation]
+    for _ in range(300):
+        problem = arithmetic.sample_problem(rng, TRAIN, operation)
+        question, reply = arithmetic.exchange(problem, rng)
+        # Recompute from the question as asked, not from the Problem object.
+        numbers = [int(n) for n in re.findall(r"\d+", question["content"])]
+        if "ubtract" in question["content"]:  # "Subtract b from a", "b subtracted from a"
+            numbers.reverse()
+        a, b = numbers
+        expected = {"+": a + b, "-": a - b, "*": a * b}[symbol]
+        assert reply["content"] == str(expected)
+        assert reply["reasoning_content"].endswith(f"So {expected}.")
+        _equations_hold(reply["reasoning_content"])
+
+
+def test_worked_example_matches_the_documented_format() -> None:
+    problem = arithmetic.Problem("add", 37, 45)
+    assert arithmetic.worked_reasoning(problem) == \
+        "7+5=12, write 2 carry 1. 3+4+1=8, write 8. So 82."
+    assert arithmetic.worked_reasoning(arithmetic.Problem("sub", 37, 82)).endswith("So -45.")
+
+
+def test_tool_calls_copy_the_request_and_fit_their_schema() -> None:
+    rng = random.Random(4)
+    for name in sorted(tools.MAKERS):
+        for _ in range(40):
+            case = tools.sample_case(rng, TRAIN, name)
+            schema = tools.TOOL_SCHEMAS[name]["function"]["parameters"]
+            assert schema_errors(case.arguments, schema) == []
+            for value in case.arguments.values():
+                if name == "get_time" and "timezone" not in case.request:
+                    continue  # the city is asked for, the timezone looked up
+                assert str(value) in case.request
+            user, call, result, answer = tools.exchange(case)
+            assert json.loads(result["content"]) == case.result
+            assert case.answer_value in answer["content"]
+            assert call["tool_calls"][0]["function"]["name"] == name
+
+
+def test_offered_tools_include_the_needed_one() -> None:
+    rng = random.Random(5)
+    for name in sorted(tools.MAKERS):
+        offered = [schema["function"]["name"] for schema in tools.offered_tools(rng, name)]
+        assert name in offered and 1 <= len(offered) <= 4 and len(set(offered)) == len(offered)
+
+
+def test_instruction_answers_are_right() -> None:
+    rng = random.Random(6)
+    for _ in range(200):
+        case = instructions.sample_case(rng, TRAIN)
+        listed = case.request.split(": ", 1)[-1].rstrip(".?")
+        if case.request.startswith(("Sort these words", "Put in alphabetical", "Alphabetize")):
+            assert case.answer == ", ".join(sorted(listed.split(", ")))
+        elif case.request.startswith("Reverse this list"):
+            assert case.answer == ", ".join(reversed(listed.split(", ")))
+        elif case.request.startswith("How many items"):
+            assert case.answer == str(len(listed.split(", ")))
+        elif case.kind == "copy":
+            assert case.request.endswith(case.answer)
+        elif case.kind == "context":
+            assert case.answer in case.request
+
+
+def test_train_and_held_out_never_overlap() -> None:
+    rng = random.Random(9)
+    for split in (TRAIN, HELD_OUT):
+        for _ in range(100):
+            assert is_held_out(arithmetic.sample_problem(rng, split).key) == (split == HELD_OUT)
+            assert is_held_out(tools.sample_case(rng, split).key) == (split == HELD_OUT)
+            assert is_held_out(instructions.sample_case(rng, split).key) == (split == HELD_OUT)

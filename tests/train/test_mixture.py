@@ -1,0 +1,109 @@
+"""Training rows: fixed length, deterministic per step, loss only where it belongs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from muse.chat_format import ASSISTANT_ID, BOS_ID, END_OF_TURN_ID, USER_ID
+from muse.tokenizer import MuseTokenizer
+from muse.train.data.conversations import Conversation
+from muse.train.data.mixture import (
+    NO_LOSS,
+    PYTHON_SOURCE,
+    TASK_SOURCE,
+    MixtureConfig,
+    TrainingBatches,
+    assistant_mask,
+    encode_conversation,
+)
+from muse.train.data.python_source import PythonCorpus, SourceFile
+from muse.train.data.split import TRAIN
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> MuseTokenizer:
+    return MuseTokenizer.base()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> PythonCorpus:
+    folder = tmp_path_factory.mktemp("source")
+    files = []
+    for index in range(40):
+        path = folder / f"module_{index}.py"
+        path.write_text("".join(f"def function_{index}_{n}(x):\n    return x * {n}\n\n"
+                                for n in range(30)))
+        files.append(SourceFile(f"test/module_{index}.py", path))
+    return PythonCorpus(files, TRAIN)
+
+
+def test_assistant_mask_covers_assistant_turns_through_their_end(
+        tokenizer: MuseTokenizer) -> None:
+    conversation = Conversation("arithmetic", [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "reasoning_content": "2+2=4, write 4. So 4.", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "reasoning_content": "3+3=6, write 6. So 6.", "content": "6"}])
+    ids, sources = encode_conversation(conversation, tokenizer)
+    trained = [token for token, source in zip(ids, sources) if source != NO_LOSS]
+    expected = tokenizer.encode("<think>2+2=4, write 4. So 4.</think>4<|end|>"
+                                "<think>3+3=6, write 6. So 6.</think>6<|end|>")
+    assert trained == expected
+    assert set(sources) == {NO_LOSS, TASK_SOURCE["arithmetic"]}
+    assert assistant_mask([USER_ID, 40, ASSISTANT_ID, 41, END_OF_TURN_ID, 42]) == \
+        [False, False, False, True, True, False]
+
+
+def test_batches_are_fixed_length_and_deterministic(tokenizer: MuseTokenizer,
+                                                    corpus: PythonCorpus) -> None:
+    config = MixtureConfig(seq_len=256, batch_size=3, seed=5)
+    batches = TrainingBatches(config, tokenizer, corpus)
+    first = batches[4]
+    assert first["input_ids"].shape == first["labels"].shape == first["sources"].shape == (3, 256)
+    assert torch.equal(first["labels"][:, :-1], first["input_ids"][:, 1:])
+    again = TrainingBatches(config, tokenizer, corpus)[4]
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["input_ids"], batches[5]["input_ids"])
+    other_seed = TrainingBatches(MixtureConfig(seq_len=256, batch_size=3, seed=6), tokenizer,
+                                 corpus)[4]
+    assert not torch.equal(first["input_ids"], other_seed["input_ids"])
+
+
+def test_loss_is_on_assistant_turns_and_python_only(tokenizer: MuseTokenizer) -> None:
+    batches = TrainingBatches(MixtureConfig(seq_len=512, batch_size=4), tokenizer, None)
+    for step in range(3):
+        batch = batches[step]
+        for ids, labels, sources in zip(batch["input_ids"], batch["labels"], batch["sources"]):
+            row = [int(ids[0])] + labels.tolist()
+            expected = assistant_mask(row)[1:]
+            assert [bool(s) for s in sources.tolist()] == expected
+            assert PYTHON_SOURCE not in sources.tolist()
+
+
+def test_python_fills_the_rest_of_each_row(tokenizer: MuseTokenizer,
+                                           corpus: PythonCorpus) -> None:
+    config = MixtureConfig(seq_len=1024, batch_size=8, conversation_share=0.6)
+    batch = TrainingBatches(config, tokenizer, corpus)[0]
+    sources = batch["sources"]
+    python = (sources == PYTHON_SOURCE).float().mean().item()
+    assert 0.15 < python < 0.6
+    # <|bos|> starts a document: it is never a training target.
+    assert not ((batch["labels"] == BOS_ID) & (sources != NO_LOSS)).any()
+
+
+def test_python_chunks_have_the_requested_length(tokenizer: MuseTokenizer,
+                                                 corpus: PythonCorpus) -> None:
+    for seed in range(5):
+        rng = random.Random(seed)
+        tokens = corpus.sample_tokens(rng, 700, tokenizer)
+        assert len(tokens) == 700
+        assert tokens == corpus.sample_tokens(random.Random(seed), 700, tokenizer)
+
+
+def test_conversation_share_is_validated() -> None:
+    with pytest.raises(ValueError, match="conversation_share"):
+        MixtureConfig(conversation_share=1.5)

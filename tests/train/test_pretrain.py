@@ -1,0 +1,122 @@
+"""`muse train pretrain` on a CPU: a loadable checkpoint, a log, exact resumption, budgets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from muse.checkpoint import load_reference_model
+from muse.cli import main
+from muse.train import pretrain
+from muse.train.data.python_source import PythonCorpus, SourceFile
+from muse.train.options import STATE_FILE
+
+
+@pytest.fixture(autouse=True)
+def small_corpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A few generated files instead of the machine's whole standard library."""
+    folder = tmp_path / "source"
+    folder.mkdir()
+    files = []
+    for index in range(20):
+        path = folder / f"module_{index}.py"
+        path.write_text("".join(f"def f_{index}_{n}(x):\n    return x + {n}\n\n"
+                                for n in range(40)))
+        files.append(SourceFile(f"test/module_{index}.py", path))
+
+    def discover(cls, split: str, include_packages: bool = True):
+        corpus = PythonCorpus(files, split)
+        return corpus, corpus.manifest([])
+
+    monkeypatch.setattr(PythonCorpus, "discover", classmethod(discover))
+
+
+def _train(out: Path, *flags: str) -> None:
+    # Warmup longer than the run: the learning rate then does not depend on the run's
+    # length, so a resumed run can be compared with an uninterrupted one.
+    main(["train", "pretrain", "--preset", "muse-spark-tiny", "--out", str(out),
+          "--batch-size", "2", "--seq-len", "64", "--warmup-steps", "50", "--log-every", "1",
+          "--seed", "3", *flags])
+
+
+def _log_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_write_a_loadable_checkpoint_and_a_log(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _train(out, "--steps", "3")
+    model = load_reference_model(out)
+    assert model.config.hidden_size == 64
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 7]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["lr"] > 0 and r["tokens_per_s"] > 0 for r in records)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["data_seed"] == 3
+    assert summary["tokens_seen"] == 3 * 2 * 64
+    assert "token_share_of_batch_0" in json.loads((out / "data_manifest.json").read_text())
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (out / "loss.png").is_file() == has_matplotlib
+
+
+def test_resuming_continues_exactly_where_the_run_stopped(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _train(straight, "--steps", "5")
+    _train(resumed, "--steps", "3")
+    _train(resumed, "--steps", "5", "--resume")
+    assert _log_steps(resumed) == [1, 2, 3, 4, 5]
+    expected = torch.load(straight / STATE_FILE, weights_only=False)
+    got = torch.load(resumed / STATE_FILE, weights_only=False)
+    assert got["step"] == 5
+    for name, tensor in expected["model"].items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=0)
+
+
+def test_resume_needs_a_saved_state(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        _train(tmp_path / "empty", "--steps", "2", "--resume")
+
+
+def test_a_time_budget_stops_the_run_and_saves(tmp_path: Path) -> None:
+    out = tmp_path / "budget"
+    _train(out, "--time-budget-minutes", "0.1")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["elapsed_s"] < 6.0 + 5.0
+    assert (out / STATE_FILE).is_file()
+    load_reference_model(out)
+
+
+def test_the_default_preset_fits_the_shipping_limit() -> None:
+    from muse.info import text_parameters
+    from muse.presets import get_preset
+
+    config = get_preset("muse-spark-default")
+    parameters = text_parameters(config.text_config)
+    assert parameters.total * 2 <= 48_000_000
+    text = config.text_config
+    assert set(text.layer_types) == {"sliding_attention", "full_attention"}
+    assert text.moe_latent_size and text.expert_norm and text.qk_norm
+    assert text.num_key_value_heads < text.num_attention_heads
+    model = pretrain.build_model(config, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == parameters.total
+
+
+def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    _train(first, "--steps", "2")
+    # Another seed: a fresh start would have entirely different weights.
+    _train(second, "--steps", "1", "--seed", "4", "--init-from", str(first))
+    saved = load_reference_model(first).state_dict()
+    started = torch.load(second / STATE_FILE, weights_only=False)
+    assert started["step"] == 1
+    for name, tensor in saved.items():
+        assert (started["model"][name] - tensor).abs().max() < 1e-3, name
+    with pytest.raises(SystemExit):
+        _train(second, "--steps", "2", "--resume", "--init-from", str(first))
