@@ -86,7 +86,7 @@ def test_prefill_logits_match_the_reference():
 
 def test_qwen3_moe_checkpoint(tmp_path):
     """A Hugging Face Qwen3-MoE checkpoint (every layer sliding) through the whole engine."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from muse.checkpoint import load_reference_model
     from tests.test_hf_equivalence import moe_model
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL
+from tests.live_server import MAX_MODEL_LEN, MODEL
 from tests.server.helpers import (
     WEATHER_TOOL,
     engine_idle,

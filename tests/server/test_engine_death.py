@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer, start_server, stop_server
+from tests.live_server import MODEL, LiveServer, start_server, stop_server
 from tests.server.helpers import engine_core_pid, metric, read_metrics, wait_until
 
 MESSAGES = [{"role": "user", "content": "Keep talking."}]

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL
+from tests.live_server import MAX_MODEL_LEN, MODEL
 from tests.server.helpers import engine_idle, metric, read_metrics, wait_until
 
 NUM_CLIENTS = 64

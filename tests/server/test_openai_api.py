@@ -17,7 +17,7 @@ import pytest
 
 import muse
 from muse.tokenizer import MuseTokenizer
-from tests.server.conftest import MAX_MODEL_LEN, MODEL
+from tests.live_server import MAX_MODEL_LEN, MODEL
 from tests.server.helpers import (
     TOOL_SCHEMAS,
     TOOLS,
