@@ -1,4 +1,4 @@
-"""The agentic workload: synthetic coding-agent sessions in the style of OpenHands.
+"""The agentic workload: synthetic sessions of a coding agent in the style of OpenHands.
 
 Every session starts from the same long system prompt (instructions and tool schemas) and a
 task, then alternates assistant tool calls and tool results (file views, command output,
