@@ -5,7 +5,8 @@ each step is a single-digit fact a small model can learn and the answer is read 
 written digits:
 
     37+45:  7+5=12, write 2 carry 1. 3+4+1=8, write 8. So 82.
-    82-45:  2-5+10=7, write 7 borrow 1. 8-4-1=3, write 3. So 37.
+    82-45:  Compare 82 and 45: 8>4. 82 is not less than 45. 2-5+10=7, write 7 borrow 1.
+            8-4-1=3, write 3. So 37.
     37*45:  37*5: 7*5=35, write 5 carry 3. 3*5+3=18, write 18. Gives 185. 37*4: ... Gives
             148, shifted 1480. 185+1480=1665. So 1665.
 
@@ -169,6 +170,24 @@ def _mul_steps(a: int, b: int) -> list[str]:
     return steps
 
 
+def _comparison(a: int, b: int) -> str:
+    """Which operand is larger, decided digit by digit from the left.
+
+    Deciding it in one step is where a small model slips on operands that differ only in
+    their last digits; written out, each step compares two single digits.
+    """
+    if len(str(a)) != len(str(b)):
+        longer = a if len(str(a)) > len(str(b)) else b
+        return f"{longer} has more digits."
+    steps = []
+    for x, y in zip(str(a), str(b)):
+        if x != y:
+            steps.append(f"{x}{'>' if x > y else '<'}{y}")
+            break
+        steps.append(f"{x}={y}")
+    return f"Compare {a} and {b}: {', '.join(steps)}."
+
+
 def worked_reasoning(problem: Problem) -> str:
     """The reasoning block's text (without the <think> tags)."""
     a, b = problem.a, problem.b
@@ -177,10 +196,10 @@ def worked_reasoning(problem: Problem) -> str:
     elif problem.operation == "mul":
         steps = _mul_steps(a, b)
     elif a >= b:
-        steps = _sub_columns(a, b)
+        steps = [_comparison(a, b) + f" {a} is not less than {b}."] + _sub_columns(a, b)
     else:
-        steps = [f"{a} is less than {b}, so compute {b}-{a} and negate."] + _sub_columns(b, a)
-        steps.append(f"{b}-{a}={b - a}.")
+        steps = [_comparison(a, b) + f" {a} is less than {b}, so compute {b}-{a} and negate."]
+        steps += _sub_columns(b, a) + [f"{b}-{a}={b - a}."]
     return " ".join(steps + [f"So {problem.answer}."])
 
 
