@@ -57,12 +57,7 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, backed by the mapped shard (clone it to own aligned memory)."""
-        file = self._file_of[name]
-        try:
-            return self._handle(file).get_tensor(name)
-        except SafetensorError as error:
-            raise CheckpointError(f"cannot read tensor `{name}` from "
-                                  f"{self.directory / file}: {error}") from None
+        return self._read(name, "get_tensor")
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -77,9 +72,13 @@ class CheckpointReader:
         self.close()
 
     def _slice(self, name: str) -> Any:
+        return self._read(name, "get_slice")
+
+    def _read(self, name: str, method: str) -> Any:
+        """`get_tensor` or `get_slice` of the shard holding `name`, with a clear error."""
         file = self._file_of[name]
         try:
-            return self._handle(file).get_slice(name)
+            return getattr(self._handle(file), method)(name)
         except SafetensorError as error:
             raise CheckpointError(f"cannot read tensor `{name}` from "
                                   f"{self.directory / file}: {error}") from None
