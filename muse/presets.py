@@ -127,11 +127,44 @@ def spark_default() -> MuseSparkConfig:
     return MuseSparkConfig(text, name="muse-spark-default")
 
 
+# Shapes of two public models, for speed comparisons (random weights; the engine reads them as
+# Muse configs: every layer global, no latent projection, no expert norm).
+def qwen3_30b_a3b_shape() -> MuseSparkConfig:
+    """Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8 of width 768, 32/4 heads."""
+    text = TextConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        layer_types=[FULL] * 48, sliding_window=None,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rope_parameters={FULL: RopeParameters(rope_theta=1_000_000.0)},
+        max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        moe_latent_size=None, expert_norm=False, num_shared_experts=0,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=[151645], pad_token_id=None,
+    )
+    return MuseSparkConfig(text, name="qwen3-30b-a3b-shape")
+
+
+def qwen3_06b_shape() -> MuseSparkConfig:
+    """Qwen3-0.6B: 28 dense layers, hidden 1024, 16/8 heads of dim 128, tied embeddings."""
+    text = TextConfig(
+        vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+        layer_types=[FULL] * 28, sliding_window=None,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rope_parameters={FULL: RopeParameters(rope_theta=1_000_000.0)},
+        max_position_embeddings=40960, intermediate_size=3072, num_experts=0,
+        moe_latent_size=None, expert_norm=False,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=[151645], pad_token_id=None,
+    )
+    return MuseSparkConfig(text, name="qwen3-0.6b-shape")
+
+
 PRESETS: dict[str, Callable[[], MuseSparkConfig]] = {
     "muse-spark-open-816b-a42b": full_816b,
     "muse-spark-15b-a2b": spark_15b,
     "muse-spark-tiny": tiny,
     "muse-spark-default": spark_default,
+    "qwen3-30b-a3b-shape": qwen3_30b_a3b_shape,
+    "qwen3-0.6b-shape": qwen3_06b_shape,
 }
 
 
