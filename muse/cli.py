@@ -48,7 +48,7 @@ DEFAULT_MODEL = default_model()
 
 def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-            "seed": args.seed}
+            "seed": args.seed, "enforce_eager": args.enforce_eager}
 
 
 def _sampling(args: argparse.Namespace):
@@ -126,6 +126,8 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (no CUDA graphs for decode batches)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     gpu_memory_utilization: float = 0.9
     init_std: float | None = None  # weight scale of a preset's random weights
+    enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

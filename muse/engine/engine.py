@@ -9,6 +9,7 @@ import torch
 
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.engine.args import EngineArgs
+from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
@@ -17,9 +18,21 @@ from muse.engine.sampling_params import InvalidRequestError, SamplingParams, val
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.presets import PRESETS, get_preset
-from muse.reference.model import init_weights
+from muse.reference.model import init_weights, init_weights_on_device
 
 logger = logging.getLogger("muse")
+
+
+# Presets up to this many parameters draw their weights on the CPU, identically on every
+# device (tests compare engine and reference built from the same seed); larger ones draw them
+# on the device: minutes faster, and no float32 copy of billions of weights in host memory.
+HOST_INIT_MAX_PARAMETERS = 2**28
+
+
+def _meta_model(config: MuseSparkConfig, dtype: torch.dtype) -> EngineModel:
+    """The engine model's structure without storage; `to_empty` then allocates it once."""
+    with torch.device("meta"):
+        return EngineModel(config.text_config).to(dtype)
 
 
 def load_engine_model(args: EngineArgs, device: torch.device
@@ -28,16 +41,20 @@ def load_engine_model(args: EngineArgs, device: torch.device
     if args.model in PRESETS:
         config = get_preset(args.model)
         dtype = args.resolve_dtype(config.dtype, device)
+        std = args.init_std or config.text_config.initializer_range
+        model = _meta_model(config, dtype)
+        if sum(p.numel() for p in model.parameters()) > HOST_INIT_MAX_PARAMETERS:
+            model = model.to_empty(device=device)
+            init_weights_on_device(model, args.seed, std)
+            return config, model, dtype
         model = EngineModel(config.text_config)
-        init_weights(model, args.seed, args.init_std or config.text_config.initializer_range)
+        init_weights(model, args.seed, std)
         return config, model.to(device=device, dtype=dtype), dtype
     from muse.checkpoint import load_config, load_weights
 
     config = load_config(args.model)
     dtype = args.resolve_dtype(config.dtype, device)
-    with torch.device("meta"):
-        model = EngineModel(config.text_config)
-    model = model.to_empty(device=device).to(dtype)
+    model = _meta_model(config, dtype).to_empty(device=device)
     load_weights(model, args.model, dtype=dtype, device=device)
     return config, model, dtype
 
@@ -62,6 +79,7 @@ class EngineCore:
         self.device = args.resolve_device()
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
         self.config = self.model_config.text_config
+        model.fuse_projections()
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
         self.eos_token_ids = tuple(self.config.eos_token_ids)
@@ -80,7 +98,8 @@ class EngineCore:
         self.max_model_len = self._check_capacity(num_blocks)
         kv_caches = allocate_kv_caches(self.config, num_blocks, args.block_size, self.dtype,
                                        self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, kv_caches, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, kv_caches, self.device,
+                                  self._decode_graphs(kv_caches))
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
@@ -112,6 +131,22 @@ class EngineCore:
                 raise ValueError("the KV cache is too small for one sliding-window sequence; "
                                  "give it more memory or lower `max_num_batched_tokens`")
         return max_len
+
+    def _decode_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> DecodeGraphs | None:
+        """Captured decode graphs, on CUDA unless `enforce_eager`."""
+        if self.device.type != "cuda" or self.args.enforce_eager:
+            return None
+        block_size = self.args.block_size
+        widths = {kind: -(-self.max_model_len // block_size) for kind in self.kv_cache.pools}
+        if SLIDING in widths:
+            # A decode query needs the blocks of its window, which straddles at most two more.
+            widths[SLIDING] = min(widths[SLIDING],
+                                  -(-self.config.sliding_window // block_size) + 2)
+        graphs = DecodeGraphs(self.model, kv_caches, widths, self.args.max_num_seqs,
+                              block_size, self.device)
+        graphs.capture()
+        return graphs
 
     # ---- requests ------------------------------------------------------------------------
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:

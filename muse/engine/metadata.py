@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,3 +33,55 @@ class BatchMetadata:
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class HostBatch:
+    """A step's metadata as Python lists, before it goes to the device: eagerly as tensors of
+    the step's own sizes (`to_device`), or copied into a captured graph's padded buffers."""
+
+    kinds: list[str]
+    max_query_len: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    token_request: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    slots: dict[str, list[int]] = field(default_factory=dict)
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    first_blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind in self.kinds:
+            self.slots.setdefault(kind, [])
+            self.tables.setdefault(kind, [])
+            self.first_blocks.setdefault(kind, [])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    def table_width(self, kind: str) -> int:
+        return max(len(table) for table in self.tables[kind])
+
+    def to_device(self, device: torch.device, block_size: int
+                  ) -> tuple[torch.Tensor, BatchMetadata]:
+        """input_ids and metadata as tensors, block tables padded with the null block."""
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        kinds = {}
+        for kind in self.kinds:
+            width = self.table_width(kind)
+            padded = [t + [0] * (width - len(t)) for t in self.tables[kind]]
+            kinds[kind] = KindMetadata(tensor(self.slots[kind]), tensor(padded),
+                                       tensor(self.first_blocks[kind]))
+        meta = BatchMetadata(
+            positions=tensor(self.positions), token_request=tensor(self.token_request),
+            query_start=tensor(self.query_start), seq_lens=tensor(self.seq_lens),
+            max_query_len=self.max_query_len, kinds=kinds, block_size=block_size)
+        return tensor(self.input_ids), meta

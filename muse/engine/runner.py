@@ -8,7 +8,8 @@ import torch
 
 from muse.config import TextConfig
 from muse.engine.kv_cache import KVCacheManager
-from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.metadata import HostBatch
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample
 from muse.engine.scheduler import ScheduledRequest
@@ -38,57 +39,49 @@ def allocate_kv_caches(config: TextConfig, num_blocks: dict[str, int], block_siz
 
 class ModelRunner:
     def __init__(self, model: EngineModel, kv_cache: KVCacheManager,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = kv_cache.block_size
+        self.decode_graphs = decode_graphs
         self.grammar_compiler = None  # set by the engine once a request is constrained
 
-    def _metadata(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, BatchMetadata]:
+    def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         block_size = self.block_size
-        input_ids, positions, token_request, query_start, seq_lens = [], [], [], [0], []
-        slots: dict[str, list[int]] = {kind: [] for kind in self.kv_cache.pools}
-        tables: dict[str, list[list[int]]] = {kind: [] for kind in self.kv_cache.pools}
-        first_blocks: dict[str, list[int]] = {kind: [] for kind in self.kv_cache.pools}
+        batch = HostBatch(kinds=list(self.kv_cache.pools),
+                          max_query_len=max(s.num_new_tokens for s in scheduled))
         for index, item in enumerate(scheduled):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            batch.input_ids.extend(request.all_token_ids[start:end])
             new_positions = range(start, end)
-            positions.extend(new_positions)
-            token_request.extend([index] * item.num_new_tokens)
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            seq_lens.append(end)
+            batch.positions.extend(new_positions)
+            batch.token_request.extend([index] * item.num_new_tokens)
+            batch.query_start.append(batch.query_start[-1] + item.num_new_tokens)
+            batch.seq_lens.append(end)
             for kind, table in self.kv_cache.block_tables(request).items():
-                slots[kind].extend(table[p // block_size] * block_size + p % block_size
-                                   for p in new_positions)
+                batch.slots[kind].extend(table[p // block_size] * block_size + p % block_size
+                                         for p in new_positions)
                 first = self.kv_cache.window_start_block(kind, start)
-                first_blocks[kind].append(first)
-                tables[kind].append(table[first:-(-end // block_size)])
-        device = self.device
+                batch.first_blocks[kind].append(first)
+                batch.tables[kind].append(table[first:-(-end // block_size)])
+        return batch
 
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        kinds = {}
-        for kind in self.kv_cache.pools:
-            width = max(len(t) for t in tables[kind])
-            padded = [t + [0] * (width - len(t)) for t in tables[kind]]
-            kinds[kind] = KindMetadata(tensor(slots[kind]), tensor(padded),
-                                       tensor(first_blocks[kind]))
-        meta = BatchMetadata(
-            positions=tensor(positions), token_request=tensor(token_request),
-            query_start=tensor(query_start), seq_lens=tensor(seq_lens),
-            max_query_len=max(s.num_new_tokens for s in scheduled), kinds=kinds,
-            block_size=block_size)
-        return tensor(input_ids), meta
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        """Final hidden states of the step's tokens: a captured graph when one fits."""
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch)
+            if hidden is not None:
+                return hidden
+        input_ids, meta = batch.to_device(self.device, self.block_size)
+        return self.model(input_ids, meta, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
-        input_ids, meta = self._metadata(scheduled)
-        hidden = self.model(input_ids, meta, self.kv_caches)
+        hidden = self._forward(self._host_batch(scheduled))
         result = StepResult()
         sample_rows, sample_ids, sample_index = [], [], []
         offset = 0

@@ -8,6 +8,9 @@ vLLM reports by default.
 A draw is `argmax(probs / noise)` with exponential noise (the exponential race, an exact sample
 of `probs`). Requests with a seed draw their noise from their own generator, so their tokens do
 not depend on what else is in the batch.
+
+Per-row parameters reach the device in one copy, top-k / top-p need no vocabulary sort
+(`muse.kernels.sampling`), and an all-greedy batch is an argmax and nothing more.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
+from muse.kernels.sampling import top_k_top_p_filter
 
 
 @dataclass
@@ -73,25 +77,48 @@ def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
     return logits
 
 
-def filtered_probabilities(logits: torch.Tensor, temperature: torch.Tensor,
-                           top_k: torch.Tensor, top_p: torch.Tensor,
-                           min_p: torch.Tensor) -> torch.Tensor:
+@dataclass
+class RowParameters:
+    """Per-row sampling parameters on the device, plus what the host knows about them."""
+
+    temperature: torch.Tensor  # [rows] float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # [rows] int64, 0 = no limit
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    greedy: torch.Tensor  # [rows] bool
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_rows(cls, rows: list[SamplingRow], vocab: int,
+                  device: torch.device) -> RowParameters:
+        """All parameters in one host -> device copy."""
+        # Greedy rows take the argmax whatever is drawn, so they are given neutral filters
+        # and do not make the others pay for a large top_k.
+        table = [(1.0, 0, 1.0, 0.0, 1.0) if r.params.greedy else
+                 (r.params.temperature, min(r.params.top_k, vocab), r.params.top_p,
+                  r.params.min_p, 0.0)
+                 for r in rows]
+        # float32 holds every top_k exactly (capped at the vocabulary, far below 2**24) and
+        # keeps the float parameters at the precision the per-parameter tensors had.
+        packed = torch.tensor(table, dtype=torch.float32).to(device, non_blocking=True)
+        return cls(temperature=packed[:, 0], top_k=packed[:, 1].long(), top_p=packed[:, 2],
+                   min_p=packed[:, 3], greedy=packed[:, 4] > 0,
+                   # A top_k of the whole vocabulary cuts nothing; topk need not go that far.
+                   max_top_k=max((t[1] for t in table if t[1] < vocab), default=0),
+                   any_top_p=any(t[2] < 1.0 for t in table),
+                   any_min_p=any(t[3] > 0.0 for t in table))
+
+
+def filtered_probabilities(logits: torch.Tensor, params: RowParameters) -> torch.Tensor:
     """The distribution each row samples from after temperature, top-k, top-p and min-p."""
-    logits = logits / temperature[:, None]
-    vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device)[None]
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the more likely ones already reach top_p (always keep the first).
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    logits = logits / params.temperature[:, None]
+    logits = top_k_top_p_filter(logits, params.top_k, params.top_p,
+                                max_top_k=params.max_top_k, any_top_p=params.any_top_p)
     probs = logits.softmax(dim=-1)
-    if bool((min_p > 0).any()):
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    if params.any_min_p:
+        threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -122,18 +149,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar_compiler: Any 
     processed = apply_logit_processing(logits, rows)
     if grammar_compiler is not None:
         grammar_compiler.apply(processed, [row.grammar for row in rows])
-    greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-    tokens = processed.argmax(dim=-1)
-    if not bool(greedy.all()):
-        temperature = torch.tensor([r.params.temperature if not r.params.greedy else 1.0
-                                    for r in rows], device=device)
-        probs = filtered_probabilities(
-            processed, temperature,
-            torch.tensor([r.params.top_k for r in rows], device=device),
-            torch.tensor([r.params.top_p for r in rows], device=device),
-            torch.tensor([r.params.min_p for r in rows], device=device))
+    if all(r.params.greedy for r in rows):
+        tokens = processed.argmax(dim=-1)
+    else:
+        params = RowParameters.from_rows(rows, processed.shape[1], device)
+        probs = filtered_probabilities(processed, params)
         drawn = (probs / _exponential_noise(rows, probs.shape, device)).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, drawn)
+        tokens = torch.where(params.greedy, processed.argmax(dim=-1), drawn)
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if any(r.params.logprobs is not None for r in rows):
         raw = logits.log_softmax(dim=-1)

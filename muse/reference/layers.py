@@ -53,13 +53,18 @@ class AttentionProjections(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of shape x.shape[:-1] + (heads, head_dim): normed per head, then rotated."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape x.shape[:-1] + (heads, head_dim), before norms and rotary."""
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape x.shape[:-1] + (heads, head_dim): normed per head, then rotated."""
+        q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -39,17 +39,31 @@ def init_weights(module: nn.Module, seed: int, std: float) -> None:
         param.copy_(initial_value(name, param.shape, generator, std))
 
 
+@torch.no_grad()
+def init_weights_on_device(module: nn.Module, seed: int, std: float) -> None:
+    """`init_weights`' distribution drawn by a generator on the parameters' device: fast for
+    billions of parameters, but the values then depend on the device."""
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in module.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: TextConfig, layer_index: int,
-                 attention: type[nn.Module] = Attention) -> None:
+                 attention: type[nn.Module] = Attention, moe: type[nn.Module] = LatentMoE
+                 ) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_index]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LatentMoE(config) if config.is_moe else DenseMLP(config.hidden_size,
+        self.mlp = moe(config) if config.is_moe else DenseMLP(config.hidden_size,
                                                                     config.intermediate_size)
 
     def forward(self, x: torch.Tensor, rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],

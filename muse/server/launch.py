@@ -31,6 +31,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (no CUDA graphs for decode batches)")
     parser.add_argument("--reasoning-parser", choices=["muse"], default=None)
     parser.add_argument("--tool-call-parser", choices=["muse"], default=None)
     parser.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -49,7 +51,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
 
 
 def build_from_args(args: argparse.Namespace):

@@ -1,0 +1,1 @@
+"""Offline speed benchmarks: muse side by side with transformers, with roofline estimates."""

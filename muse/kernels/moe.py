@@ -1,0 +1,137 @@
+"""The routed experts of a latent MoE layer as one fused computation.
+
+`fused_experts` computes what `LatentMoE` computes between its pooler and unpooler,
+
+    out[t] = sum_j weights[t, j] * norm_e(down_e @ swiglu(gate_up_e @ x[t])),  e = ids[t, j]
+
+accumulated in float32 (norm_e: the expert's own RMSNorm, when the layer has one). On CUDA it
+runs the Triton path, which never asks the host for a value, so a decode step that contains it
+can be captured in a CUDA graph; elsewhere it runs `fused_experts_torch`, the plain PyTorch twin
+that is also the tests' oracle.
+
+Data flow of the Triton path (the T*k (token, slot) pairs are "pairs"; pair p = t*k + j):
+
+1. align (`align_pairs`, torch ops of static shapes): sort the pairs by expert and pad each
+   expert's run to a multiple of BLOCK_M, so every BLOCK_M-row block belongs to one expert.
+   Out come `sorted_pairs` (padding rows hold the sentinel T*k) and `block_expert` (-1 for
+   blocks past the end). Sizes are worst-case bounds computed from shapes alone.
+2. GEMM 1 + SwiGLU: per (block, intermediate tile), gather rows x[pair // k], multiply by the
+   gate and the up rows of gate_up[e], write silu(gate) * up as h in the activation dtype.
+3. GEMM 2: y[pair] = h @ down[e]^T, in float32.
+4. combine, one program per token: RMSNorm of each slot's y row times norm_weight[e], times the
+   routing weight, summed over the k slots, written in x's dtype.
+
+At decode sizes (T*k <= min(64, E), `moe_triton.use_one_pair_per_block`) step 1 is skipped:
+each pair is an M block of its own, whose expert the GEMMs read from expert_ids directly, so the
+call is three kernel launches and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
+                  eps: float) -> torch.Tensor:
+    """x [T, L], weights [T, k] float32, expert_ids [T, k] -> [T, L] in x.dtype.
+
+    gate_up [E, 2I, L] (gate rows first, then up rows), down [E, L, I], norm_weight [E, L].
+    """
+    fn = fused_experts_triton if x.is_cuda else fused_experts_torch
+    return fn(x, weights, expert_ids, gate_up, down, norm_weight, eps)
+
+
+def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor,
+                        norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
+
+    It rounds where the kernels round: h in the activation dtype, everything after the second
+    matmul in float32. It asks the host for the per-expert counts once, so it is not capturable.
+    """
+    num_tokens, top_k = expert_ids.shape
+    inter = down.shape[2]
+    flat = expert_ids.reshape(-1)
+    # Pairs grouped by expert; a stable sort keeps each expert's tokens in order.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    y = torch.zeros(flat.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        gate_up_out = (x[pairs // top_k] @ gate_up[expert].t()).float()
+        h = (F.silu(gate_up_out[:, :inter]) * gate_up_out[:, inter:]).to(x.dtype)
+        y[pairs] = (h @ down[expert].t()).float()
+    if norm_weight is not None:
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+        y = y * norm_weight[flat].float()
+    out = (y.view(num_tokens, top_k, x.shape[1]) * weights.float()[..., None]).sum(1)
+    return out.to(x.dtype)
+
+
+def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                         gate_up: torch.Tensor, down: torch.Tensor,
+                         norm_weight: torch.Tensor | None, eps: float,
+                         one_pair_per_block: bool | None = None) -> torch.Tensor:
+    """The Triton path: no host synchronisation, static shapes, CUDA-graph capturable.
+
+    one_pair_per_block: None lets the number of pairs choose between the aligned path and the
+    alignment-free decode mode; True / False force one of them.
+    """
+    # Imported here so that the CPU path works where Triton is not installed.
+    from muse.kernels import moe_triton
+
+    return moe_triton.fused_experts(x, weights, expert_ids, gate_up, down, norm_weight, eps,
+                                    one_pair_per_block=one_pair_per_block)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of the sorted, padded pair list, a multiple of `block_m`.
+
+    At most min(pairs, experts) experts receive a pair, and each wastes < block_m rows of
+    padding; this is tighter than experts * (block_m - 1) when decoding (8 pairs, 128 experts).
+    """
+    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert into blocks of `block_m` rows.
+
+    Returns sorted_pairs [max_padded] int64 (pair ids, the sentinel T*k on padding rows) and
+    block_expert [max_padded // block_m] int64 (the expert of each block, -1 past the last
+    used block). Every op has an output shape fixed by the input shapes and never reads a
+    value back to the host (no nonzero/unique/.item(); bincount's output size would depend on
+    the largest id on CUDA, so the counts come from scatter_add into a fixed [E]).
+    """
+    flat = expert_ids.reshape(-1)
+    num_pairs, device = flat.numel(), flat.device
+    padded_len = max_padded_pairs(num_pairs, num_experts, block_m)
+
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded_counts.cumsum(0)
+    padded_start = padded_end - padded_counts
+    start = counts.cumsum(0) - counts
+
+    # A pair's destination: its expert's padded start plus its rank among that expert's pairs.
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
+    dest = padded_start[sorted_experts] + rank
+    sorted_pairs = torch.full((padded_len,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, dest, order)
+
+    # The block starting at row r belongs to the first expert whose padded run ends after r;
+    # experts without pairs have empty runs and are skipped by the search.
+    block_start = torch.arange(0, padded_len, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_pairs, block_expert

@@ -1,0 +1,316 @@
+"""Triton kernels of the fused latent experts: grouped GEMMs over expert-sorted pairs, combine.
+
+See `muse.kernels.moe` for the data flow. Every launch size below comes from tensor shapes and
+python ints, and every kernel finds its work through device tensors (`block_expert`,
+`sorted_pairs`, or `expert_ids` itself), so the whole call can be captured in a CUDA graph and
+replayed with any routing.
+
+Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
+
+* aligned (many pairs): `align_pairs` sorts the pairs by expert into BLOCK_M-row blocks, so
+  each expert's weights are streamed once per block of its pairs;
+* one pair per block (decode: T*k <= min(64, E), see `use_one_pair_per_block`): no alignment.
+  Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
+  call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
+  instead of those three after a dozen tiny torch ops, which is what a decode step's time is
+  made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from muse.kernels.moe import align_pairs
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    gemm1: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+    gemm2: tuple[int, int, int, int]
+
+
+# The tiles of few pairs per expert; also those of the one-pair-per-block mode.
+DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
+
+# Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
+ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64
+
+
+def use_one_pair_per_block(num_pairs: int, num_experts: int) -> bool:
+    """Whether T*k pairs run one pair per M block, without `align_pairs` (shapes only).
+
+    True for 0 < T*k <= min(64, E). Skipping the alignment saves about a dozen launches
+    (~2-3 us each even inside a CUDA graph, ~30 us per layer). Its cost: pairs that share an
+    expert read that expert's weights once per pair instead of once per block. P pairs over E
+    experts hit about D = E * (1 - (1 - 1/E)^P) distinct experts, so the weight traffic grows
+    by P / D: at most ~1.6x while P <= E (1.27x for 64 pairs over 128 experts: Qwen3-30B-A3B
+    at batch 8), and the repeats come mostly from L2, as the programs of one N tile run side by
+    side (grid axis 0, the pairs, varies fastest). Beyond E pairs, or past a few dozen, the
+    repeats and the 15 idle rows of each 16-row block grow with the batch while the alignment's
+    cost stays flat: there the aligned path wins.
+    """
+    return 0 < num_pairs <= min(ONE_PAIR_PER_BLOCK_MAX_PAIRS, num_experts)
+
+
+def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
+    """Tile sizes for H100/H200-class GPUs, from the mean number of pairs per expert.
+
+    Few pairs per expert (decode): a block is mostly padding and the kernels are bound by
+    streaming the expert weights, so the blocks are 16 rows (the smallest tl.dot accepts) and
+    the output tiles narrow (32 columns) to spread each expert's weights over many programs.
+    At batch 1 with k=8 there are 8 blocks; with I=768 GEMM 1 runs 8 x 24 programs and GEMM 2
+    (N = L = 1024) 8 x 32, enough to keep every SM of the GPU loading weights; the long K tiles
+    (128) with 4 stages keep several loads in flight per program.
+    Many pairs per expert (prefill): the GEMMs become compute bound and larger tiles reuse each
+    loaded weight tile across more rows. GEMM 1 keeps two accumulators (gate and up), so its
+    N tile is half of GEMM 2's to hold the same register budget.
+    """
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return DECODE_TILES
+    if per_expert <= 96:
+        return Tiles(64, (64, 64, 4, 3), (64, 64, 4, 3))
+    return Tiles(128, (64, 64, 8, 3), (128, 64, 8, 3))
+
+
+# Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands
+# are widened to float32 first (exact for 16-bit floats, and the accumulation is float32 anyway).
+_WIDEN_DOT = bool(triton.knobs.runtime.interpret)
+
+
+def _fit(block: int, size: int) -> int:
+    """Shrink a tile to the (power-of-two-rounded) size of a small dimension; tl.dot needs 16."""
+    return max(16, min(block, triton.next_power_of_2(size)))
+
+
+@triton.jit
+def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
+                ONE_PAIR_PER_BLOCK: tl.constexpr):
+    """(h rows, pair ids, validity) of block pid_m's BLOCK_M rows."""
+    offs = tl.arange(0, BLOCK_M)
+    if ONE_PAIR_PER_BLOCK:
+        # h has one row per pair, in pair order; rows 1.. of the block are padding (masked,
+        # their out-of-range ids are never dereferenced).
+        pairs = pid_m + offs
+        valid = offs == 0
+        rows = pairs
+    else:
+        rows = pid_m * BLOCK_M + offs
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        valid = pairs < num_pairs
+    return rows, pairs, valid
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, top_k,
+    stride_xt, stride_xl, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    LATENT: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
+):
+    """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
+
+    The widths are compile-time constants: they are fixed per model, and known trip counts
+    let the compiler drop the K masks when the widths are multiples of the tiles.
+    ONE_PAIR_PER_BLOCK: block_expert_ptr is the flat [T*k] expert_ids, block b holds pair b
+    alone (row 0; the other rows are masked) and sorted_pairs_ptr is not read.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the last used block: nothing to do
+        return
+    rows, pairs, valid = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M,
+                                     ONE_PAIR_PER_BLOCK)
+    tokens = tl.where(valid, pairs // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xl
+    # Weight tiles are loaded as [K, N] views of the row-major [2I, L] expert matrix.
+    gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    up_ptrs = gate_ptrs + INTER * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, LATENT, BLOCK_K):
+        k_ok = ks < LATENT - k_start
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if WIDEN:
+            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_xl
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn
+    # Padding rows are not stored (GEMM 2 masks them out of its loads and stores).
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+    h_ptr, w_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    LATENT: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
+):
+    """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
+
+    ONE_PAIR_PER_BLOCK as in `_gemm1_swiglu_kernel`.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows, pairs, valid = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M,
+                                     ONE_PAIR_PER_BLOCK)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < LATENT
+    ks = tl.arange(0, BLOCK_K)
+
+    # h rows are in block order (sorted, or pair order with one pair per block), so this
+    # block's rows are contiguous: no gather here.
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :] * stride_hk
+    b_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, INTER, BLOCK_K):
+        k_ok = ks < INTER - k_start
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if WIDEN:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+
+    # Scattered back to pair order so that the combine finds a token's k rows side by side.
+    pairs = tl.where(valid, pairs, 0)
+    y_ptrs = y_ptr + pairs[:, None] * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, acc, mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
+    latent, eps, stride_ym, stride_ne, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """out[t] = sum_j weights[t, j] * rmsnorm(y[t*k + j]) * norm_weight[ids[t, j]]."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_L)
+    col_ok = cols < latent
+    acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        row = tl.load(y_ptr + pair * stride_ym + cols, mask=col_ok, other=0.0)
+        if HAS_NORM:
+            expert = tl.load(ids_ptr + pair)
+            mean_square = tl.sum(row * row, axis=0) / latent
+            norm = tl.load(norm_ptr + expert * stride_ne + cols, mask=col_ok, other=0.0)
+            row = row * tl.rsqrt(mean_square + eps) * norm.to(tl.float32)
+        acc += tl.load(weights_ptr + pair) * row
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
+                  eps: float, one_pair_per_block: bool | None = None) -> torch.Tensor:
+    """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
+
+    one_pair_per_block: None picks the mode from the number of pairs
+    (`use_one_pair_per_block`); True / False force it (tests, benchmarks).
+    """
+    num_tokens, latent = x.shape
+    top_k = expert_ids.shape[1]
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    num_pairs = num_tokens * top_k
+    out = torch.empty(num_tokens, latent, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return out
+    if one_pair_per_block is None:
+        one_pair_per_block = use_one_pair_per_block(num_pairs, num_experts)
+
+    # The kernels index expert_ids and weights as flat [T*k] arrays. route's outputs already
+    # are contiguous, weights float32: then nothing is copied (no torch op runs at all).
+    if not expert_ids.is_contiguous():
+        expert_ids = expert_ids.contiguous()
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.float().contiguous()
+
+    if one_pair_per_block:
+        # Block b is pair b; the kernels read its expert straight from expert_ids and never
+        # read sorted_pairs (any pointer will do). Pairs that share an expert each stream
+        # its weights, mostly from L2 (see use_one_pair_per_block): fine at decode sizes.
+        tiles = DECODE_TILES
+        sorted_pairs, block_expert = expert_ids, expert_ids
+        num_blocks = num_rows = num_pairs
+    else:
+        tiles = choose_tiles(num_pairs, num_experts)
+        sorted_pairs, block_expert = align_pairs(expert_ids, num_experts, tiles.block_m)
+        num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
+    # Float32 models are the precise reference configuration: keep TF32 out of their dots.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    # h has a row per block row (aligned: padding rows are allocated, never written; one pair
+    # per block: one row per pair), so GEMM 2 reads it without a gather; it is in the
+    # activation dtype, as the reference rounds it there.
+    # Grid axis 0 (blocks) varies fastest: programs that run together work on neighbouring
+    # blocks, mostly of one expert, and share the same weight tile through L2.
+    h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = tiles.gemm1
+    block_n, block_k = _fit(block_n, inter), _fit(block_k, latent)
+    _gemm1_swiglu_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, h, sorted_pairs, block_expert,
+        num_pairs, top_k,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        h.stride(0), h.stride(1), LATENT=latent, INTER=inter,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
+        num_warps=warps, num_stages=stages,
+    )
+
+    # y stays float32: it feeds an RMSNorm and a k-way weighted sum, and rounding it to bf16
+    # would add a third rounding of every output on top of h's and out's. It costs
+    # T*k*L*8 bytes of write+read: nothing next to the expert weights when decoding, and
+    # small next to the compute-bound GEMMs when prefilling.
+    y = torch.empty(num_pairs, latent, dtype=torch.float32, device=x.device)
+    block_n, block_k, warps, stages = tiles.gemm2
+    block_n, block_k = _fit(block_n, latent), _fit(block_k, inter)
+    _gemm2_kernel[(num_blocks, triton.cdiv(latent, block_n))](
+        h, down, y, sorted_pairs, block_expert,
+        num_pairs,
+        h.stride(0), h.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        y.stride(0), y.stride(1), LATENT=latent, INTER=inter,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
+        num_warps=warps, num_stages=stages,
+    )
+
+    has_norm = norm_weight is not None
+    norm = y  # any pointer; never read without norm
+    if has_norm:
+        norm = norm_weight if norm_weight.stride(1) == 1 else norm_weight.contiguous()
+    block_l = triton.next_power_of_2(latent)
+    _combine_kernel[(num_tokens,)](
+        y, weights, expert_ids, norm, out,
+        latent, eps, y.stride(0), norm.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
+        num_warps=4 if block_l <= 2048 else 8,
+    )
+    return out

@@ -1,0 +1,348 @@
+"""Attention of a batch of new tokens over a paged KV cache, in Triton.
+
+Same contract and result as `muse.kernels.paged_attention.paged_attention` (the torch twin),
+with two kernels chosen by the step's shape:
+
+* Decode (every request brings one query token): flash-decoding. One program per
+  (request, kv head, split) loads the whole GQA group of query heads that share the kv head as
+  the M rows of `tl.dot`, so each K/V page is read once per kv head rather than once per query
+  head. Each split walks its own contiguous slice of the block table and writes a partial
+  (max, sum, accumulator) to a float32 workspace; a small second kernel merges the splits.
+  The split count depends only on tensor shapes, so the call can be captured in a CUDA graph.
+* Prefill / extend (some request brings several tokens, possibly next to decodes): flash
+  attention over the paged keys. One program per (request, query tile, kv head); the tile's
+  BLOCK_Q tokens times the group's heads form the M rows. Programs whose tile lies past their
+  request's query length exit at once; the key loop stops at the tile's last causal key.
+
+Both kernels address keys by their position relative to the request's first table block, turn
+it into (table entry, offset in page) and mask by absolute position, so null-block padding and
+stale slots past seq_len are never read. Sliding layers start their key loop at the first key
+inside the window, so blocks that have left the window cost nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from muse.engine.metadata import BatchMetadata, KindMetadata
+
+# Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernels can
+# use exp2, one hardware instruction, instead of exp.
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+        tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr,
+        scale_log2, window, table_width, keys_per_split, num_heads,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_table,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+    request = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_ptr + request)
+    # A request without tokens (padding) has no output row of its own: writing would clobber
+    # the next request's row.
+    if tl.load(query_start_ptr + request + 1) == q_row:
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    base = tl.load(first_block_ptr + request) * BLOCK_SIZE  # absolute position of key 0
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    # This split's keys, relative to `base`. The single query sits at seq_len - 1, so causality
+    # is just "key < seq_len" and the window is "key >= seq_len - window".
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, seq_len - base)
+    hi = tl.minimum(hi, table_width * BLOCK_SIZE)
+    if SLIDING:
+        lo = tl.maximum(lo, seq_len - window - base)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        rel = start + offs_n
+        valid = rel < hi
+        block = tl.load(tables_ptr + request * stride_table + rel // BLOCK_SIZE, mask=valid,
+                        other=0)
+        slot = rel % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every iteration has at least one valid key (start < hi), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # Nothing to merge: normalise here and skip the combine launch.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # Workspace rows are (request, head, split); an empty split leaves (-inf, 0, 0).
+        row = (request * num_heads + heads) * NUM_SPLITS + split
+        tl.store(ws_m_ptr + row, m_i, mask=g_mask)
+        tl.store(ws_l_ptr + row, l_i, mask=g_mask)
+        tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+        out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, query_start_ptr, num_heads,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr):
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_ptr + request)
+    if tl.load(query_start_ptr + request + 1) == q_row:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (request * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(ws_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ws_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # All splits empty (a row that sees no key) -> weights 0 and output 0, not NaN.
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(l_s * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, first_block_ptr, seq_lens_ptr,
+        query_start_ptr, scale_log2, window, table_width,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_table,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+    request = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_row0 = tl.load(query_start_ptr + request)
+    q_len = tl.load(query_start_ptr + request + 1) - q_row0
+    # The grid is sized for the longest request; shorter ones have nothing in this tile.
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    base = tl.load(first_block_ptr + request) * BLOCK_SIZE
+
+    # Row m of the tile is token m // BLOCK_G, head m % BLOCK_G of the group.
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    token = tile * BLOCK_Q + offs_m // BLOCK_G
+    group_index = offs_m % BLOCK_G
+    row_mask = (token < q_len) & (group_index < GROUP)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = seq_len - q_len + token
+    q_offsets = (q_row0 + token)[:, None] * stride_qt \
+        + (kv_head * GROUP + group_index)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    # Keys this tile can see: up to its last real query (causal), from the window start of
+    # its first query (sliding); relative to `base`.
+    first_pos = seq_len - q_len + tile * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, seq_len) - base
+    hi = tl.minimum(hi, table_width * BLOCK_SIZE)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(first_pos - window + 1 - base, 0)
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        rel = start + offs_n
+        valid = rel < hi
+        block = tl.load(tables_ptr + request * stride_table + rel // BLOCK_SIZE, mask=valid,
+                        other=0)
+        slot = rel % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        key_pos = base + rel
+        allowed = valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            allowed &= key_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+        # A row can see no key of this tile (window already past it, or not yet reached),
+        # so m_new may be -inf: shift by 0 then, which keeps exp2 at 0 instead of NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = (q_row0 + token)[:, None] * stride_ot \
+        + (kv_head * GROUP + group_index)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 callers expect float32 accuracy; the default TF32 would cost ~1e-3 relative.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H100 SXM; only matters for the CPU interpreter, which runs tests
+
+
+# Decode: 64 keys (four 16-token pages) per iteration keeps the K/V loads wide enough to be
+# bandwidth-bound rather than latency-bound, and a split shorter than 256 keys does too
+# little work to pay for its share of the combine. Two CTAs per SM is enough to saturate HBM.
+_DECODE_BLOCK_N = 64
+_DECODE_MIN_KEYS_PER_SPLIT = 256
+_DECODE_MAX_SPLITS = 64
+
+
+def _decode_splits(num_requests: int, num_kv_heads: int, table_width: int, block_size: int,
+                   block_n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, keys per split), from shapes only: the table width bounds every context."""
+    tiles = max(1, -(-table_width * block_size // block_n))
+    by_length = -(-tiles * block_n // _DECODE_MIN_KEYS_PER_SPLIT)
+    by_occupancy = max(1, 2 * _sm_count(device) // (num_requests * num_kv_heads))
+    splits = max(1, min(by_length, by_occupancy, _DECODE_MAX_SPLITS))
+    tiles_per_split = -(-tiles // splits)
+    # Recount so that no split is empty by construction (they still may be for short rows).
+    return -(-tiles // tiles_per_split), tiles_per_split * block_n
+
+
+def _common(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    # tl.dot needs every dimension >= 16 and power-of-two tiles; padding is masked off.
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return num_heads, head_dim, group, block_d
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
+            num_splits: int | None = None, block_n: int = _DECODE_BLOCK_N) -> torch.Tensor:
+    num_heads, head_dim, group, block_d = _common(q, k_cache)
+    num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
+    table_width = kind.block_tables.shape[1]
+    splits, keys_per_split = _decode_splits(num_requests, num_kv_heads, table_width,
+                                            meta.block_size, block_n, q.device)
+    if num_splits is not None:  # tests force a split count
+        keys_per_split = -(-table_width * meta.block_size // num_splits)
+        splits = num_splits
+    out = torch.empty_like(q)
+    ws_acc = torch.empty(num_requests, num_heads, splits, head_dim, dtype=torch.float32,
+                         device=q.device) if splits > 1 else out
+    ws_m = torch.empty(num_requests, num_heads, splits, dtype=torch.float32,
+                       device=q.device) if splits > 1 else out
+    ws_l = torch.empty_like(ws_m) if splits > 1 else out
+    tables = kind.block_tables
+    _decode_kernel[(num_requests, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
+        tables, kind.first_block, meta.seq_lens, meta.query_start,
+        scale * _LOG2E, sliding_window or 0, table_width, keys_per_split, num_heads,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        out.stride(0), out.stride(1), tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim,
+        # The group's heads are the M rows of tl.dot, padded to its 16-row minimum.
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_SIZE=meta.block_size, NUM_SPLITS=splits, SLIDING=sliding_window is not None,
+        PRECISION=_precision(k_cache.dtype),
+        # Decode is a stream of K/V: 4 warps cover a 16 x 64 tile, and a second stage lets
+        # the next pages load while this one is reduced.
+        num_warps=4, num_stages=2)
+    if splits > 1:
+        _combine_kernel[(num_requests, num_heads)](
+            out, ws_acc, ws_m, ws_l, meta.query_start, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+    return out
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
+             block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    _, head_dim, group, block_d = _common(q, k_cache)
+    num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
+    wide = k_cache.element_size() >= 4
+    # 128 query rows x 64 keys is the usual Hopper flash-attention tile for 16-bit inputs
+    # (wgmma, no register spills at head_dim 64 or 128 with 8 warps). float32 runs its dots on
+    # FMA units at IEEE precision, so its tiles are halved to bound registers and shared memory.
+    block_m = block_m or (64 if wide else 128)
+    block_n = block_n or (32 if wide else 64)
+    block_g = triton.next_power_of_2(group)
+    block_q = max(block_m // block_g, -(-16 // block_g))  # at least 16 rows for tl.dot
+    tables = kind.block_tables
+    out = torch.empty_like(q)
+    grid = (num_requests, -(-meta.max_query_len // block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, tables, kind.first_block, meta.seq_lens, meta.query_start,
+        scale * _LOG2E, sliding_window or 0, tables.shape[1],
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        out.stride(0), out.stride(1), tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_SIZE=meta.block_size, SLIDING=sliding_window is not None,
+        PRECISION=_precision(k_cache.dtype),
+        # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
+        # and the probabilities. Two stages overlap the next K/V pages with this tile's math.
+        num_warps=8 if block_q * block_g >= 64 else 4, num_stages=2)
+    return out
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
+                           scale: float) -> torch.Tensor:
+    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim].
+
+    Launches only: no host sync and no value-dependent shapes, so decode steps can be
+    captured in a CUDA graph.
+    """
+    assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
+    # The kernels step along head_dim with unit stride (the caches are always laid out so).
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if meta.max_query_len == 1:
+        return _decode(q, k_cache, v_cache, meta, kind, sliding_window, scale)
+    return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale)

@@ -1,0 +1,157 @@
+"""The Triton paged attention kernels against the torch twin, on small random batches.
+
+Metadata is built the way the runner builds it: permuted block tables padded with the null
+block 0, and sliding layers' tables starting at the first block the window still needs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.kernels.paged_attention import paged_attention
+from muse.kernels.paged_attention_triton import (
+    _DECODE_BLOCK_N,
+    _decode,
+    _decode_splits,
+    _prefill,
+    paged_attention_triton,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def make_batch(requests: list[tuple[int, int]], *, block_size: int, window: int | None,
+               kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: str,
+               seed: int = 0):
+    """Random q and caches plus metadata for requests given as (cached tokens, new tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(cached + new) // block_size) for cached, new in requests]
+    num_blocks = sum(needed) + 3  # a few never-used blocks besides the null block
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    positions, token_request, query_start, seq_lens = [], [], [0], []
+    slots, tables, firsts = [], [], []
+    for index, ((cached, new), count) in enumerate(zip(requests, needed)):
+        table, free = free[:count], free[count:]
+        end = cached + new
+        positions += range(cached, end)
+        token_request += [index] * new
+        query_start.append(query_start[-1] + new)
+        seq_lens.append(end)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(cached, end)]
+        first = 0 if window is None else max(0, cached - window + 1) // block_size
+        firsts.append(first)
+        tables.append(table[first:])
+    width = max(len(t) for t in tables)
+
+    def tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    kind = KindMetadata(tensor(slots), tensor([t + [0] * (width - len(t)) for t in tables]),
+                        tensor(firsts))
+    meta = BatchMetadata(tensor(positions), tensor(token_request), tensor(query_start),
+                         tensor(seq_lens), max(new for _, new in requests), {"kind": kind},
+                         block_size)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(len(positions), kv_heads * group, head_dim, generator=gen)
+    return q.to(device=device, dtype=dtype), k_cache, v_cache, meta, kind
+
+
+def check(requests, *, device, block_size=16, window=None, kv_heads=2, group=2, head_dim=32,
+          dtype=torch.float32, run=paged_attention_triton, **kwargs):
+    q, k_cache, v_cache, meta, kind = make_batch(
+        requests, block_size=block_size, window=window, kv_heads=kv_heads, group=group,
+        head_dim=head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    out = run(q, k_cache, v_cache, meta, kind, window, scale, **kwargs)
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, kind, window,
+                               scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    return q, k_cache, v_cache, meta, kind, out
+
+
+DECODE = [(0, 1), (16, 1), (69, 1), (200, 1)]
+PREFILL = [(0, 37), (0, 5), (0, 16)]
+# Chunked prefill with cached context, next to decodes and a fresh prompt.
+MIXED = [(50, 1), (33, 20), (0, 9), (120, 1), (70, 24)]
+BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
+
+
+# Every batch kind meets every window and GQA group sizes 1, 2, 4 and 8, without the full
+# product: the interpreter runs each case in about a second.
+@pytest.mark.parametrize(("batch", "window", "group"), [
+    ("decode", None, 1), ("decode", 16, 4), ("decode", 40, 2), ("decode", None, 8),
+    ("prefill", None, 4), ("prefill", 16, 1), ("prefill", 40, 2),
+    ("mixed", None, 2), ("mixed", 16, 4), ("mixed", 40, 1), ("mixed", 40, 8)])
+def test_matches_twin(device, batch, window, group):
+    *_, kind, _ = check(BATCHES[batch], device=device, window=window, group=group)
+    if window is not None and batch != "prefill":
+        assert int(kind.first_block.max()) > 0  # sliding tables that skip leading blocks
+
+
+@pytest.mark.parametrize(("batch", "dtype"), [
+    ("decode", torch.bfloat16), ("prefill", torch.bfloat16), ("mixed", torch.bfloat16),
+    ("mixed", torch.float16)])
+def test_half_precision(device, batch, dtype):
+    check(BATCHES[batch], device=device, window=40, group=2, dtype=dtype)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(2, 64, 32), (1, 128, 16), (8, 16, 16), (4, 24, 32)])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_shapes(device, batch, group, head_dim, block_size):
+    check(BATCHES[batch], device=device, window=16, group=group, head_dim=head_dim,
+          block_size=block_size, kv_heads=1)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_long_decode_uses_several_splits(device, window):
+    # 700 keys in 16-token pages: the default choice splits them (keys per split >= 256).
+    requests = [(700, 1), (300, 1), (5, 1)]
+    *_, meta, kind, _ = check(requests, device=device, window=window, group=4)
+    splits, _ = _decode_splits(meta.num_requests, 2, kind.block_tables.shape[1],
+                               meta.block_size, _DECODE_BLOCK_N, torch.device(device))
+    # Sliding tables only hold the window, so they stay short and need no split.
+    assert splits > 1 if window is None else splits == 1
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, 16), (8, None), (8, 40)])
+def test_decode_split_counts(device, num_splits, window):
+    # Splits of 26 keys straddle the 32-key tiles; short and sliding rows leave splits empty.
+    check(DECODE, device=device, window=window, kv_heads=1, run=_decode, num_splits=num_splits,
+          block_n=32)
+
+
+@pytest.mark.parametrize(("window", "group"), [(None, 1), (16, 8), (40, 2)])
+def test_prefill_small_tiles(device, window, group):
+    # 16-token query tiles (several per chunk) and key tiles smaller than a 32-token page.
+    check(MIXED, device=device, window=window, group=group, block_size=32, run=_prefill,
+          block_m=16 * group, block_n=16)
+
+
+@pytest.mark.parametrize(("batch", "window"), [("decode", 16), ("mixed", None), ("mixed", 16)])
+def test_garbage_outside_context_is_ignored(device, batch, window):
+    q, k_cache, v_cache, meta, kind, out = check(BATCHES[batch], device=device, window=window)
+    # Every slot no query may see: the null block, unused blocks, the tail of each last page
+    # and, for sliding layers, the table's pages before the window.
+    seen = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=device)
+    for r in range(meta.num_requests):
+        start = int(meta.query_start[r])
+        first_query = int(meta.positions[start])
+        seq_len = int(meta.seq_lens[r])
+        low = 0 if window is None else max(0, first_query - window + 1)
+        for pos in range(low, seq_len):
+            block = kind.block_tables[r, pos // meta.block_size - int(kind.first_block[r])]
+            seen[block, pos % meta.block_size] = True
+    for cache in (k_cache, v_cache):
+        cache[~seen] = float("nan")
+    again = paged_attention_triton(q, k_cache, v_cache, meta, kind, window, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)

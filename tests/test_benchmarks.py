@@ -1,0 +1,149 @@
+"""The offline speed benchmarks (benchmarks/) run end to end on the tiny preset on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import common, latency, throughput
+from muse.checkpoint.hf_configs import qwen3_config
+from muse.config import FULL
+from muse.info import text_parameters
+from muse.presets import PRESETS, get_preset
+
+TINY = ["--shape", "muse-spark-tiny", "--device", "cpu", "--dtype", "float32"]
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def check_environment(record: dict) -> None:
+    env = record["environment"]
+    for key in ("date", "torch", "transformers", "git_commit"):
+        assert key in env
+    assert record["machine"]["memory_bandwidth_Bps"] == common.H200_MEMORY_BANDWIDTH
+    assert record["shape"]["transformers"]["stand_in"] == common.STAND_IN
+    assert record["shape"]["transformers"]["differences"]
+
+
+def test_latency_json(tmp_path):
+    out = tmp_path / "latency.json"
+    record = latency.main([*TINY, "--lengths", "32", "--decode-tokens", "8", "--repeats", "2",
+                           "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "latency"
+    check_environment(record)
+    for engine in ("muse", "transformers"):
+        result = record["results"][engine]
+        [row] = result["rows"]
+        assert "error" not in row, row
+        assert row["prompt_tokens"] == 32 and row["decode_tokens"] == 8
+        assert positive(row["prefill_tok_s"]) and positive(row["ttft_s"])
+        assert positive(row["roofline"]["prefill_tok_s"])
+        assert positive(row["roofline"]["decode_tok_s"])
+        assert positive(row["prefill_fraction_of_roofline"])
+    # Decode from transformers is generate(N) minus time to first token: on a shared CPU the
+    # difference may be noise, so only muse's (timed token by token) must be positive here.
+    assert positive(record["results"]["muse"]["rows"][0]["decode_tok_s"])
+    sides = record["shape"]
+    assert record["results"]["muse"]["engine"]["parameters"] == sides["muse"]["params_total"]
+    assert record["results"]["transformers"]["engine"]["parameters"] \
+        == sides["transformers"]["params_total"]
+    [r] = record["ratios"]
+    assert r["prompt_tokens"] == 32 and positive(r["prefill"])
+
+
+def test_throughput_json(tmp_path):
+    out = tmp_path / "throughput.json"
+    record = throughput.main([*TINY, "--num-requests", "4", "--prompt-lens", "8:24",
+                              "--output-lens", "2:6", "--hf-batch-sizes", "2",
+                              "--hf-max-requests", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "throughput"
+    check_environment(record)
+    work = record["workload"]
+    assert work["num_requests"] == 4 and 4 * 2 <= work["output_tokens"] <= 4 * 6
+    muse = record["results"]["muse"]
+    assert muse["all"]["requests"] == 4 and muse["subset"]["requests"] == 2
+    assert muse["all"]["output_tokens"] == work["output_tokens"]
+    hf = record["results"]["transformers"]
+    assert hf["best_batch_size"] == 2 and "first 2 of the 4" in hf["note"]
+    for figures in (muse["all"], muse["subset"], hf["best"]):
+        for key in ("wall_s", "output_tok_s", "total_tok_s", "fraction_of_roofline"):
+            assert positive(figures[key]), (key, figures)
+        assert positive(figures["roofline"]["output_tok_s"])
+    assert hf["best"]["generated_tokens"] >= hf["best"]["output_tokens"]
+    assert positive(record["ratios"]["muse_all_vs_transformers"])
+    assert positive(record["ratios"]["same_requests"])
+
+
+def test_engines_run_apart_then_merged(tmp_path):
+    small = [*TINY, "--num-requests", "3", "--prompt-lens", "8:12", "--output-lens", "2:3",
+             "--hf-max-requests", "2", "--hf-batch-sizes", "2"]
+    first = tmp_path / "muse.json"
+    alone = throughput.main([*small, "--engines", "muse", "--out", str(first)])
+    assert set(alone["results"]) == {"muse"} and alone["ratios"] == {}
+    assert alone["results"]["muse"]["subset"]["requests"] == 2
+    both = throughput.main([*small, "--engines", "transformers", "--merge-from", str(first)])
+    assert set(both["results"]) == {"muse", "transformers"}
+    assert both["merged_from"]["muse"]["path"] == str(first)
+    assert positive(both["ratios"]["same_requests"])
+    with pytest.raises(SystemExit):  # another workload is not comparable
+        throughput.main([*small, "--seed", "1", "--engines", "transformers",
+                         "--merge-from", str(first)])
+
+
+@pytest.mark.parametrize("shape", sorted(PRESETS))
+def test_parameter_breakdown_matches_muse_info(shape):
+    text = get_preset(shape).text_config
+    counts = text_parameters(text)
+    params = common.ParameterBreakdown.of(text)
+    assert (params.total, params.active) == (counts.total, counts.active)
+    # At batch 1 a decode step reads exactly the active weights, less the embedding table
+    # but for one row.
+    table = text.vocab_size * text.hidden_size
+    assert params.weight_bytes(1, 2) == 2 * (counts.active - table + text.hidden_size
+                                             + (table if text.tie_word_embeddings else 0))
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b-shape", "qwen3-0.6b-shape",
+                                   "muse-spark-15b-a2b", "muse-spark-tiny"])
+def test_transformers_config_has_the_same_shape(shape):
+    text = get_preset(shape).text_config
+    stand_in, differences = common.transformers_text_config(text)
+    # The Qwen3 shapes run unchanged; Muse presets lose only what Qwen3 lacks.
+    assert bool(differences) == shape.startswith("muse")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "tie_word_embeddings"):
+        assert getattr(stand_in, name) == getattr(text, name), name
+    assert stand_in.layer_types == [FULL] * text.num_hidden_layers
+    # Read back the way muse reads Hugging Face checkpoints: the same model.
+    back = qwen3_config(common.hf_config(stand_in).to_dict()).text_config
+    assert text_parameters(back) == text_parameters(stand_in)
+    assert back.layer_types == stand_in.layer_types and back.head_dim == text.head_dim
+    if not differences:
+        assert text_parameters(stand_in) == text_parameters(text)
+
+
+def test_rooflines_are_consistent():
+    text = get_preset("qwen3-30b-a3b-shape").text_config
+    roof = common.Roofline(text, common.Machine(common.H200_MEMORY_BANDWIDTH,
+                                                common.H200_BF16_MATMUL_FLOPS), 2)
+    short, long = roof.single_stream(1024, 128), roof.single_stream(32768, 128)
+    # Batch-1 decode is bound by memory and slows as the context (KV read) grows.
+    assert short["decode_bound"] == "memory" and long["decode_tok_s"] < short["decode_tok_s"]
+    # Long prefill is bound by compute and attention makes it slower per token.
+    assert long["prefill_bound"] == "compute" and long["prefill_tok_s"] < short["prefill_tok_s"]
+    # 3.0B bf16 weights a token reads (3.3B active less the embedding table) at 4.26 TB/s.
+    assert 600 < short["decode_tok_s"] < 710
+    # 64 requests at once route to all 128 experts: each step reads every weight (61 GB), so
+    # batching gains only the ratio of all to active weights, about 10x, less KV reads.
+    batch = roof.batch([(500, 300)] * 64)
+    assert 5 * short["decode_tok_s"] < batch["output_tok_s"] < 10 * short["decode_tok_s"]
+    # Sliding layers cap their KV reads and attention at the window.
+    spark = get_preset("muse-spark-15b-a2b").text_config
+    assert common.kv_read_bytes(spark, 100_000, 2) < common.kv_read_bytes(
+        common.transformers_text_config(spark)[0], 100_000, 2)
+    assert common.attention_flops(spark, 0, 10) == common.attention_flops(
+        common.transformers_text_config(spark)[0], 0, 10)
