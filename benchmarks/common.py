@@ -515,7 +515,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "transformers": transformers_version,
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        # MUSE_COMMIT names the commit where the checkout's own history is not at hand (a copy
+        # of the working tree on another machine).
+        "git_commit": os.environ.get("MUSE_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         "git_dirty": None if status is None else bool(status),
     }
 

@@ -39,7 +39,7 @@ _LOG2E = 1.4426950408889634
 def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
         tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr,
-        scale_log2, window, table_width, keys_per_split, num_heads,
+        scale_log2, window, table_width, num_heads,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -66,13 +66,19 @@ def _decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
-    # This split's keys, relative to `base`. The single query sits at seq_len - 1, so causality
-    # is just "key < seq_len" and the window is "key >= seq_len - window".
-    lo = split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, seq_len - base)
-    hi = tl.minimum(hi, table_width * BLOCK_SIZE)
+    # The keys the query sees, relative to `base`. The single query sits at seq_len - 1, so
+    # causality is just "key < seq_len" and the window is "key >= seq_len - window".
+    first = 0
     if SLIDING:
-        lo = tl.maximum(lo, seq_len - window - base)
+        first = tl.maximum(seq_len - window - base, 0)
+    last = tl.minimum(seq_len - base, table_width * BLOCK_SIZE)
+    # The splits share this request's keys evenly, in whole BLOCK_N tiles. The share is
+    # computed here from seq_len, not on the host from the table width: a captured graph's
+    # tables are as wide as the longest context, and a share sized by that width would leave
+    # a short request's keys to one or two splits walking them serially.
+    share = tl.cdiv(tl.cdiv(tl.maximum(last - first, 1), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * share
+    hi = tl.minimum(lo + share, last)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -242,15 +248,13 @@ _DECODE_MAX_SPLITS = 64
 
 
 def _decode_splits(num_requests: int, num_kv_heads: int, table_width: int, block_size: int,
-                   block_n: int, device: torch.device) -> tuple[int, int]:
-    """(splits, keys per split), from shapes only: the table width bounds every context."""
+                   block_n: int, device: torch.device) -> int:
+    """The split count, from shapes only (the table width bounds every context); the kernel
+    divides each request's actual keys evenly between the splits."""
     tiles = max(1, -(-table_width * block_size // block_n))
     by_length = -(-tiles * block_n // _DECODE_MIN_KEYS_PER_SPLIT)
     by_occupancy = max(1, 2 * _sm_count(device) // (num_requests * num_kv_heads))
-    splits = max(1, min(by_length, by_occupancy, _DECODE_MAX_SPLITS))
-    tiles_per_split = -(-tiles // splits)
-    # Recount so that no split is empty by construction (they still may be for short rows).
-    return -(-tiles // tiles_per_split), tiles_per_split * block_n
+    return max(1, min(by_length, by_occupancy, _DECODE_MAX_SPLITS))
 
 
 def _common(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -267,11 +271,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
     table_width = kind.block_tables.shape[1]
-    splits, keys_per_split = _decode_splits(num_requests, num_kv_heads, table_width,
-                                            meta.block_size, block_n, q.device)
-    if num_splits is not None:  # tests force a split count
-        keys_per_split = -(-table_width * meta.block_size // num_splits)
-        splits = num_splits
+    splits = num_splits or _decode_splits(num_requests, num_kv_heads, table_width,
+                                          meta.block_size, block_n, q.device)
     out = torch.empty_like(q)
     ws_acc = torch.empty(num_requests, num_heads, splits, head_dim, dtype=torch.float32,
                          device=q.device) if splits > 1 else out
@@ -282,7 +283,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_kernel[(num_requests, num_kv_heads, splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         tables, kind.first_block, meta.seq_lens, meta.query_start,
-        scale * _LOG2E, sliding_window or 0, table_width, keys_per_split, num_heads,
+        scale * _LOG2E, sliding_window or 0, table_width, num_heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim,

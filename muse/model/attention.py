@@ -16,12 +16,14 @@ from muse.kernels.rotary import qk_norm_rope
 from muse.reference.layers import AttentionProjections
 
 
-def _attention_kernel(q: torch.Tensor):
-    if q.is_cuda:
+def _kernels(device: torch.device):
+    """(write_kv, paged_attention) for tensors on `device`: Triton on CUDA, else the twins."""
+    if device.type == "cuda":
+        from muse.kernels.kv_write import write_kv_triton
         from muse.kernels.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton
-    return paged_attention
+        return write_kv_triton, paged_attention_triton
+    return write_kv, paged_attention
 
 
 class PagedAttention(AttentionProjections):
@@ -61,7 +63,7 @@ class PagedAttention(AttentionProjections):
                             k_norm.weight if k_norm is not None else None, cos, sin, eps)
         kind = meta.kinds[self.layer_type]
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, kind.slot_mapping)
-        attend = _attention_kernel(q)
+        store, attend = _kernels(q.device)
+        store(k_cache, v_cache, k, v, kind.slot_mapping)
         out = attend(q, k_cache, v_cache, meta, kind, self.sliding_window, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))

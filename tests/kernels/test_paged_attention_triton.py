@@ -26,7 +26,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 def make_batch(requests: list[tuple[int, int]], *, block_size: int, window: int | None,
                kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: str,
-               seed: int = 0):
+               seed: int = 0, extra_width: int = 0):
     """Random q and caches plus metadata for requests given as (cached tokens, new tokens)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(cached + new) // block_size) for cached, new in requests]
@@ -46,7 +46,8 @@ def make_batch(requests: list[tuple[int, int]], *, block_size: int, window: int 
         first = 0 if window is None else max(0, cached - window + 1) // block_size
         firsts.append(first)
         tables.append(table[first:])
-    width = max(len(t) for t in tables)
+    # extra_width: tables wider than any request needs, as a captured graph's are.
+    width = max(len(t) for t in tables) + extra_width
 
     def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -64,10 +65,10 @@ def make_batch(requests: list[tuple[int, int]], *, block_size: int, window: int 
 
 
 def check(requests, *, device, block_size=16, window=None, kv_heads=2, group=2, head_dim=32,
-          dtype=torch.float32, run=paged_attention_triton, **kwargs):
+          dtype=torch.float32, run=paged_attention_triton, extra_width=0, **kwargs):
     q, k_cache, v_cache, meta, kind = make_batch(
         requests, block_size=block_size, window=window, kv_heads=kv_heads, group=group,
-        head_dim=head_dim, dtype=dtype, device=device)
+        head_dim=head_dim, dtype=dtype, device=device, extra_width=extra_width)
     scale = head_dim ** -0.5
     out = run(q, k_cache, v_cache, meta, kind, window, scale, **kwargs)
     expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, kind, window,
@@ -117,8 +118,8 @@ def test_long_decode_uses_several_splits(device, window):
     # 700 keys in 16-token pages: the default choice splits them (keys per split >= 256).
     requests = [(700, 1), (300, 1), (5, 1)]
     *_, meta, kind, _ = check(requests, device=device, window=window, group=4)
-    splits, _ = _decode_splits(meta.num_requests, 2, kind.block_tables.shape[1],
-                               meta.block_size, _DECODE_BLOCK_N, torch.device(device))
+    splits = _decode_splits(meta.num_requests, 2, kind.block_tables.shape[1],
+                            meta.block_size, _DECODE_BLOCK_N, torch.device(device))
     # Sliding tables only hold the window, so they stay short and need no split.
     assert splits > 1 if window is None else splits == 1
 
@@ -155,3 +156,11 @@ def test_garbage_outside_context_is_ignored(device, batch, window):
         cache[~seen] = float("nan")
     again = paged_attention_triton(q, k_cache, v_cache, meta, kind, window, q.shape[-1] ** -0.5)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(None, None), (8, None), (8, 40)])
+def test_decode_with_tables_wider_than_needed(device, num_splits, window):
+    # As in a captured graph: 60 unused columns; every request's keys still spread over the
+    # splits by its own length.
+    check(DECODE, device=device, window=window, kv_heads=1, run=_decode, num_splits=num_splits,
+          extra_width=60)
