@@ -7,7 +7,8 @@ For each prompt length, one request alone on the GPU:
                      --decode-tokens generated with EOS ignored. muse: token times from its
                      stream API; transformers: generate(N) wall time minus the median time to
                      first token at that length.
-Each figure sits next to its roofline (see common.Roofline) and muse / transformers ratios.
+Each figure sits next to its roofline (see benchmarks/roofline.py) and muse / transformers
+ratios.
 
     python benchmarks/latency.py --shape qwen3-30b-a3b-shape --out latency.json
 """
@@ -27,7 +28,37 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.engines import (
+    build_muse,
+    build_transformers,
+    free_memory,
+    hf_generate,
+    median,
+    random_prompt,
+    synchronize,
+    timed,
+)
+from benchmarks.options import (
+    add_common_args,
+    check_common_args,
+    parse_list,
+    resolve_device,
+    torch_dtype,
+)
+from benchmarks.report import (
+    environment,
+    error_text,
+    fmt,
+    header,
+    merge_previous,
+    pct,
+    ratio,
+    table,
+    write_json,
+)
+from benchmarks.roofline import ROOFLINE_NOTE, Machine, Roofline
+from benchmarks.shapes import shape_record, text_config, transformers_text_config
+from muse.info import DTYPE_BYTES
 
 METHOD = {
     "prefill_tok_s": "prompt tokens / time to first token (max_tokens=1), median over repeats; "
@@ -40,8 +71,8 @@ METHOD = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    common.add_common_args(parser)
-    parser.add_argument("--lengths", default=[1024, 8192, 32768], type=common.parse_list,
+    add_common_args(parser)
+    parser.add_argument("--lengths", default=[1024, 8192, 32768], type=parse_list,
                         help="prompt lengths, comma separated")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3,
@@ -51,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-static-cache", action="store_true",
                         help='transformers with cache_implementation="static"')
     args = parser.parse_args(argv)
-    common.check_common_args(args)
+    check_common_args(args)
     if args.decode_tokens < 2 or args.repeats < 1 or not args.lengths:
         parser.error("need --decode-tokens >= 2, --repeats >= 1 and some --lengths")
     return args
@@ -63,23 +94,20 @@ def _row(length: int, args: argparse.Namespace, roofline: dict[str, Any]) -> dic
 
 def _finish_row(row: dict[str, Any], ttfts: list[float]) -> None:
     row["ttft_s_runs"] = ttfts
-    row["ttft_s"] = common.median(ttfts)
+    row["ttft_s"] = median(ttfts)
     row["prefill_tok_s"] = row["prompt_tokens"] / row["ttft_s"]
     roof = row["roofline"]
-    row["prefill_fraction_of_roofline"] = common.ratio(row["prefill_tok_s"],
-                                                       roof["prefill_tok_s"])
-    row["decode_fraction_of_roofline"] = common.ratio(row.get("decode_tok_s"),
-                                                      roof["decode_tok_s"])
+    row["prefill_fraction_of_roofline"] = ratio(row["prefill_tok_s"], roof["prefill_tok_s"])
+    row["decode_fraction_of_roofline"] = ratio(row.get("decode_tok_s"), roof["decode_tok_s"])
 
 
-def run_muse(args: argparse.Namespace, device, text, roofline: common.Roofline
-             ) -> dict[str, Any]:
+def run_muse(args: argparse.Namespace, device, text, roofline: Roofline) -> dict[str, Any]:
     from muse import SamplingParams
 
     rng = np.random.default_rng(args.seed)
     n = args.decode_tokens
     max_len = max(args.lengths) + n + 16
-    llm, info = common.build_muse(
+    llm, info = build_muse(
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager,
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -89,7 +117,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: common.Roofline
 
     def stream(ids: list[int]) -> tuple[float, float, int]:
         """(time to first token, time from first to last token, tokens after the first)."""
-        common.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         marks = []
         for out in llm.stream(ids, full):
@@ -101,7 +129,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: common.Roofline
             raise RuntimeError(f"muse generated {n_last} tokens, asked for {n}")
         return t_first - start, t_last - t_first, n_last - n_first
 
-    warm = common.random_prompt(rng, min(256, min(args.lengths)), text.vocab_size)
+    warm = random_prompt(rng, min(256, min(args.lengths)), text.vocab_size)
     llm.generate([warm], first)
     stream(warm)
     rows = []
@@ -110,60 +138,60 @@ def run_muse(args: argparse.Namespace, device, text, roofline: common.Roofline
         try:
             # One untimed prefill at this length first: kernels specialise on sizes, and their
             # first launch at a new size compiles.
-            llm.generate([common.random_prompt(rng, length, text.vocab_size)], first)
+            llm.generate([random_prompt(rng, length, text.vocab_size)], first)
             ttfts = []
             for _ in range(args.repeats):
-                ids = common.random_prompt(rng, length, text.vocab_size)
-                _, seconds = common.timed(lambda ids=ids: llm.generate([ids], first), device)
+                ids = random_prompt(rng, length, text.vocab_size)
+                _, seconds = timed(lambda ids=ids: llm.generate([ids], first), device)
                 ttfts.append(seconds)
-            ttft, decode_s, decoded = stream(common.random_prompt(rng, length, text.vocab_size))
+            ttft, decode_s, decoded = stream(random_prompt(rng, length, text.vocab_size))
             row.update({"decode_run_ttft_s": ttft, "decode_s": decode_s,
                         "decode_tok_s": decoded / decode_s})
             _finish_row(row, ttfts)
         except Exception as exc:  # noqa: BLE001 - keep the other lengths' figures
-            row["error"] = common.error_text(exc)
+            row["error"] = error_text(exc)
         rows.append(row)
-        common.free_memory(device)
+        free_memory(device)
     llm = None  # frees the engine before the next one loads
-    info["allocated_after_free"] = common.free_memory(device)
+    info["allocated_after_free"] = free_memory(device)
     return {"engine": info, "rows": rows}
 
 
-def run_transformers(args: argparse.Namespace, device, text, roofline: common.Roofline
+def run_transformers(args: argparse.Namespace, device, text, roofline: Roofline
                      ) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed + 1)
     n = args.decode_tokens
-    model, info = common.build_transformers(
-        text, device, common.torch_dtype(args.dtype),
+    model, info = build_transformers(
+        text, device, torch_dtype(args.dtype),
         attn_implementation=args.hf_attn_implementation,
         experts_implementation=args.hf_experts_implementation)
     info["cache"] = "static" if args.hf_static_cache else "dynamic"
 
     def generate(ids: list[int], tokens: int) -> float:
-        return common.timed(lambda: common.hf_generate(model, [ids], tokens,
-                                                       args.hf_static_cache), device)[1]
+        return timed(lambda: hf_generate(model, [ids], tokens, args.hf_static_cache),
+                     device)[1]
 
-    warm = common.random_prompt(rng, min(256, min(args.lengths)), text.vocab_size)
+    warm = random_prompt(rng, min(256, min(args.lengths)), text.vocab_size)
     generate(warm, 1)
     generate(warm, min(n, 16))
     rows = []
     for length in args.lengths:
         row = _row(length, args, roofline.single_stream(length, n))
         try:
-            generate(common.random_prompt(rng, length, text.vocab_size), 1)  # as for muse
-            ttfts = [generate(common.random_prompt(rng, length, text.vocab_size), 1)
+            generate(random_prompt(rng, length, text.vocab_size), 1)  # as for muse
+            ttfts = [generate(random_prompt(rng, length, text.vocab_size), 1)
                      for _ in range(args.repeats)]
-            total = generate(common.random_prompt(rng, length, text.vocab_size), n)
-            decode_s = total - common.median(ttfts)
+            total = generate(random_prompt(rng, length, text.vocab_size), n)
+            decode_s = total - median(ttfts)
             row.update({"generate_s": total, "decode_s": decode_s,
                         "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None})
             _finish_row(row, ttfts)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at the longest prompt
-            row["error"] = common.error_text(exc)
+            row["error"] = error_text(exc)
         rows.append(row)
-        common.free_memory(device)
+        free_memory(device)
     model = None  # frees the model before the next one loads
-    info["allocated_after_free"] = common.free_memory(device)
+    info["allocated_after_free"] = free_memory(device)
     return {"engine": info, "rows": rows}
 
 
@@ -177,10 +205,8 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
         if theirs is None:
             continue
         out.append({"prompt_tokens": mine["prompt_tokens"],
-                    "prefill": common.ratio(mine.get("prefill_tok_s"),
-                                            theirs.get("prefill_tok_s")),
-                    "decode": common.ratio(mine.get("decode_tok_s"),
-                                           theirs.get("decode_tok_s"))})
+                    "prefill": ratio(mine.get("prefill_tok_s"), theirs.get("prefill_tok_s")),
+                    "decode": ratio(mine.get("decode_tok_s"), theirs.get("decode_tok_s"))})
     return out
 
 
@@ -192,46 +218,46 @@ def report(record: dict[str, Any]) -> str:
                 rows.append([engine, str(row["prompt_tokens"]), "error: " + row["error"][:60],
                              "", "", ""])
                 continue
-            rows.append([engine, str(row["prompt_tokens"]), common.fmt(row["prefill_tok_s"]),
-                         common.pct(row["prefill_fraction_of_roofline"]),
-                         common.fmt(row.get("decode_tok_s"), 1),
-                         common.pct(row["decode_fraction_of_roofline"])])
-    lines = [common.table(["engine", "prompt", "prefill tok/s", "of roof", "decode tok/s",
-                           "of roof"], rows)]
+            rows.append([engine, str(row["prompt_tokens"]), fmt(row["prefill_tok_s"]),
+                         pct(row["prefill_fraction_of_roofline"]),
+                         fmt(row.get("decode_tok_s"), 1),
+                         pct(row["decode_fraction_of_roofline"])])
+    lines = [table(["engine", "prompt", "prefill tok/s", "of roof", "decode tok/s", "of roof"],
+                   rows)]
     if record["ratios"]:
         lines.append("muse / transformers: " + "; ".join(
-            f"{r['prompt_tokens']}: prefill {common.fmt(r['prefill'], 2)}x, "
-            f"decode {common.fmt(r['decode'], 2)}x" for r in record["ratios"]))
+            f"{r['prompt_tokens']}: prefill {fmt(r['prefill'], 2)}x, "
+            f"decode {fmt(r['decode'], 2)}x" for r in record["ratios"]))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = common.resolve_device(args.device)
-    env = common.environment(device)
-    text = common.text_config(args.shape)
-    stand_in, _ = common.transformers_text_config(text)
-    machine = common.machine(args)
-    element = common.dtype_bytes(args.dtype)
-    rooflines = {"muse": common.Roofline(text, machine, element),
-                 "transformers": common.Roofline(stand_in, machine, element)}
+    device = resolve_device(args.device)
+    env = environment(device)
+    text = text_config(args.shape)
+    stand_in, _ = transformers_text_config(text)
+    machine = Machine(args.mem_bandwidth, args.matmul_flops)
+    element = DTYPE_BYTES[args.dtype]
+    rooflines = {"muse": Roofline(text, machine, element),
+                 "transformers": Roofline(stand_in, machine, element)}
     texts = {"muse": text, "transformers": text}
     runners = {"muse": run_muse, "transformers": run_transformers}
     record: dict[str, Any] = {
         "benchmark": "latency", "environment": env, "config": vars(args),
-        "shape": common.shape_record(args.shape), "machine": machine.to_dict(),
-        "method": METHOD, "roofline_note": common.ROOFLINE_NOTE, "results": {}, "ratios": []}
-    common.merge_previous(record, args.merge_from, args.engines)
-    print(common.header("latency (batch 1)", args, env), flush=True)
+        "shape": shape_record(args.shape), "machine": machine.to_dict(),
+        "method": METHOD, "roofline_note": ROOFLINE_NOTE, "results": {}, "ratios": []}
+    merge_previous(record, args.merge_from, args.engines)
+    print(header("latency (batch 1)", args, env), flush=True)
     for engine in args.engines:
         started = time.perf_counter()
         record["results"][engine] = runners[engine](args, device, texts[engine],
                                                     rooflines[engine])
         record["results"][engine]["engine"]["wall_s"] = time.perf_counter() - started
         record["ratios"] = ratios(record["results"])
-        common.write_json(args.out, record)
+        write_json(args.out, record)
     record["ratios"] = ratios(record["results"])
-    common.write_json(args.out, record)
+    write_json(args.out, record)
     print(report(record), flush=True)
     return record
 

@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks.engines import FIRST_PROMPT_ID, build_muse, free_memory  # noqa: E402
+from benchmarks.report import environment, write_json  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
 from muse.engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -37,13 +39,13 @@ def _decode_until(llm, steps: int) -> float:
 def profile(shape: str, batch: int, context: int, steps: int, enforce_eager: bool,
             top: int) -> dict:
     device = torch.device("cuda")
-    llm, _ = common.build_muse(shape, device, "bfloat16", enforce_eager=enforce_eager,
-                            max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85)
+    llm, _ = build_muse(shape, device, "bfloat16", enforce_eager=enforce_eager,
+                        max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85)
     vocab = llm.engine.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps * 4 + 16, ignore_eos=True)
     for index in range(batch):
-        prompt = torch.randint(common.FIRST_PROMPT_ID, vocab, (context,),
+        prompt = torch.randint(FIRST_PROMPT_ID, vocab, (context,),
                                generator=generator).tolist()
         llm.engine.add_request(f"r{index}", prompt, params)
     # Prefill (and a few decode steps so every bucket's kernels are warm).
@@ -68,14 +70,14 @@ def profile(shape: str, batch: int, context: int, steps: int, enforce_eager: boo
     for k in kernels[:top]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     del llm
-    common.free_memory(device)
+    free_memory(device)
     return {"shape": shape, "batch": batch, "context": context, "eager": enforce_eager,
             "step_ms": step_s * 1e3, "kernel_ms": total_us / 1e3, "kernels": kernels[:top]}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b-shape", choices=common.SHAPES)
+    parser.add_argument("--shape", default="qwen3-30b-a3b-shape", choices=SHAPES)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     runs = [profile(args.shape, args.batch, args.context, args.steps, mode == "eager", args.top)
             for mode in args.modes.split(",")]
-    record = {"environment": common.environment(torch.device("cuda")), "runs": runs}
-    common.write_json(args.out, record)
+    record = {"environment": environment(torch.device("cuda")), "runs": runs}
+    write_json(args.out, record)
     return record
 
 

@@ -12,7 +12,7 @@ is slow, it runs the first --hf-max-requests requests (64), at each of --hf-batc
 also runs that same subset, so the two compare on equal work as well.
 
 Figures: output tokens/s and (prompt + output) tokens/s over the wall time of the whole
-run, next to the roofline of the same requests (see common.Roofline.batch).
+run, next to the roofline of the same requests (see Roofline.batch in benchmarks/roofline.py).
 
     python benchmarks/throughput.py --shape qwen3-30b-a3b-shape --out throughput.json
 """
@@ -32,28 +32,58 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.engines import (
+    build_muse,
+    build_transformers,
+    free_memory,
+    hf_generate,
+    random_prompt,
+    synchronize,
+    timed,
+)
+from benchmarks.options import (
+    add_common_args,
+    check_common_args,
+    parse_list,
+    parse_range,
+    resolve_device,
+    torch_dtype,
+)
+from benchmarks.report import (
+    environment,
+    error_text,
+    fmt,
+    header,
+    merge_previous,
+    pct,
+    ratio,
+    table,
+    write_json,
+)
+from benchmarks.roofline import ROOFLINE_NOTE, Machine, Roofline
+from benchmarks.shapes import shape_record, text_config, transformers_text_config
+from muse.info import DTYPE_BYTES
 
 Request = tuple[list[int], int]  # prompt token ids, output length
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    common.add_common_args(parser)
+    add_common_args(parser)
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--prompt-lens", type=common.parse_range, default=(100, 1024),
+    parser.add_argument("--prompt-lens", type=parse_range, default=(100, 1024),
                         help="LOW:HIGH, uniform")
-    parser.add_argument("--output-lens", type=common.parse_range, default=(100, 1024),
+    parser.add_argument("--output-lens", type=parse_range, default=(100, 1024),
                         help="LOW:HIGH, uniform")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="muse's concurrent sequence limit (default: the engine's)")
-    parser.add_argument("--hf-batch-sizes", default=[16, 64], type=common.parse_list)
+    parser.add_argument("--hf-batch-sizes", default=[16, 64], type=parse_list)
     parser.add_argument("--hf-max-requests", type=int, default=64,
                         help="transformers runs only the first this many requests")
     parser.add_argument("--no-muse-subset", action="store_true",
                         help="skip muse's extra run on transformers' subset of requests")
     args = parser.parse_args(argv)
-    common.check_common_args(args)
+    check_common_args(args)
     if args.num_requests < 1 or args.hf_max_requests < 1 or not args.hf_batch_sizes:
         parser.error("need --num-requests >= 1, --hf-max-requests >= 1, some --hf-batch-sizes")
     return args
@@ -63,7 +93,7 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     rng = np.random.default_rng(args.seed)
     prompt_lens = rng.integers(args.prompt_lens[0], args.prompt_lens[1] + 1, args.num_requests)
     output_lens = rng.integers(args.output_lens[0], args.output_lens[1] + 1, args.num_requests)
-    return [(common.random_prompt(rng, int(p), vocab_size), int(o))
+    return [(random_prompt(rng, int(p), vocab_size), int(o))
             for p, o in zip(prompt_lens, output_lens)]
 
 
@@ -83,11 +113,11 @@ def figures(requests: list[Request], wall: float, roofline: dict[str, float],
 
 
 def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: int | None,
-             roofline: common.Roofline) -> dict[str, Any]:
+             roofline: Roofline) -> dict[str, Any]:
     from muse import SamplingParams
 
     max_len = args.prompt_lens[1] + args.output_lens[1] + 16
-    llm, info = common.build_muse(
+    llm, info = build_muse(
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager,
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -97,7 +127,7 @@ def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: 
         prompts = [{"prompt_token_ids": p} for p, _ in batch]
         params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0)
                   for _, o in batch]
-        outputs, seconds = common.timed(lambda: llm.generate(prompts, params), device)
+        outputs, seconds = timed(lambda: llm.generate(prompts, params), device)
         produced = sum(len(out.outputs[0].token_ids) for out in outputs)
         if produced != sum(o for _, o in batch):
             raise RuntimeError(f"muse generated {produced} tokens, asked for "
@@ -114,14 +144,14 @@ def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: 
         seconds, produced = generate(part)
         result["subset"] = figures(part, seconds, roofline.batch(lengths(part)), produced)
     llm = None  # frees the engine before the next one loads
-    info["allocated_after_free"] = common.free_memory(device)
+    info["allocated_after_free"] = free_memory(device)
     return result
 
 
 def run_transformers(args: argparse.Namespace, device, text, requests: list[Request],
-                     roofline: common.Roofline) -> dict[str, Any]:
-    model, info = common.build_transformers(
-        text, device, common.torch_dtype(args.dtype),
+                     roofline: Roofline) -> dict[str, Any]:
+    model, info = build_transformers(
+        text, device, torch_dtype(args.dtype),
         attn_implementation=args.hf_attn_implementation,
         experts_implementation=args.hf_experts_implementation)
     info["cache"] = "dynamic"
@@ -129,28 +159,28 @@ def run_transformers(args: argparse.Namespace, device, text, requests: list[Requ
     part = requests[:args.hf_max_requests]
     ordered = sorted(part, key=lambda r: (r[1], len(r[0])))
     roof = roofline.batch(lengths(part))
-    common.hf_generate(model, [p[:64] for p, _ in part[:2]], 16)  # warm up
+    hf_generate(model, [p[:64] for p, _ in part[:2]], 16)  # warm up
     runs = []
     for batch_size in args.hf_batch_sizes:
         run: dict[str, Any] = {"batch_size": batch_size}
         try:
             generated = 0
-            common.synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             for i in range(0, len(ordered), batch_size):
                 batch = ordered[i:i + batch_size]
                 longest = max(o for _, o in batch)
-                common.hf_generate(model, [p for p, _ in batch], longest)
+                hf_generate(model, [p for p, _ in batch], longest)
                 generated += longest * len(batch)
-            common.synchronize(device)
+            synchronize(device)
             run.update(figures(part, time.perf_counter() - start, roof))
             run["generated_tokens"] = generated  # padding rows' and overrun tokens included
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at the larger batch
-            run["error"] = common.error_text(exc)
+            run["error"] = error_text(exc)
         runs.append(run)
-        common.free_memory(device)
+        free_memory(device)
     model = None  # frees the model before the next one loads
-    info["allocated_after_free"] = common.free_memory(device)
+    info["allocated_after_free"] = free_memory(device)
     done = [r for r in runs if "error" not in r]
     best = max(done, key=lambda r: r["output_tok_s"]) if done else None
     return {"engine": info, "runs": runs, "best_batch_size": best and best["batch_size"],
@@ -165,12 +195,12 @@ def compare(results: dict[str, Any]) -> dict[str, Any]:
     muse = results.get("muse")
     if not best or not muse:
         return {}
-    out = {"muse_all_vs_transformers": common.ratio(muse["all"]["output_tok_s"],
-                                                    best["output_tok_s"])}
+    out = {"muse_all_vs_transformers": ratio(muse["all"]["output_tok_s"],
+                                             best["output_tok_s"])}
     same = muse.get("subset") or (muse["all"] if muse["all"]["requests"] == best["requests"]
                                   else None)
     if same:
-        out["same_requests"] = common.ratio(same["output_tok_s"], best["output_tok_s"])
+        out["same_requests"] = ratio(same["output_tok_s"], best["output_tok_s"])
     out["note"] = ("output tokens/s ratios against transformers at its best batch size; "
                    "muse_all_vs_transformers: muse on all requests vs transformers on its "
                    "subset; same_requests: both on the subset")
@@ -186,8 +216,8 @@ def report(record: dict[str, Any]) -> str:
                 r = muse[key]
                 rows.append(["muse", "all at once" if key == "all" else "subset at once",
                              str(r["requests"]), f"{r['wall_s']:.1f}",
-                             common.fmt(r["output_tok_s"]), common.fmt(r["total_tok_s"]),
-                             common.pct(r["fraction_of_roofline"])])
+                             fmt(r["output_tok_s"]), fmt(r["total_tok_s"]),
+                             pct(r["fraction_of_roofline"])])
     hf = record["results"].get("transformers")
     if hf:
         for r in hf["runs"]:
@@ -196,59 +226,59 @@ def report(record: dict[str, Any]) -> str:
                              "error: " + r["error"][:60], "", "", ""])
             else:
                 rows.append(["transformers", f"batch {r['batch_size']}", str(r["requests"]),
-                             f"{r['wall_s']:.1f}", common.fmt(r["output_tok_s"]),
-                             common.fmt(r["total_tok_s"]), common.pct(r["fraction_of_roofline"])])
-    lines = [common.table(["engine", "mode", "requests", "wall s", "output tok/s",
-                           "total tok/s", "of roof"], rows)]
+                             f"{r['wall_s']:.1f}", fmt(r["output_tok_s"]),
+                             fmt(r["total_tok_s"]), pct(r["fraction_of_roofline"])])
+    lines = [table(["engine", "mode", "requests", "wall s", "output tok/s", "total tok/s",
+                    "of roof"], rows)]
     ratios = record["ratios"]
     if ratios:
         lines.append("muse / transformers (output tok/s): "
-                     f"all vs its subset {common.fmt(ratios['muse_all_vs_transformers'], 2)}x"
-                     + (f", same requests {common.fmt(ratios['same_requests'], 2)}x"
+                     f"all vs its subset {fmt(ratios['muse_all_vs_transformers'], 2)}x"
+                     + (f", same requests {fmt(ratios['same_requests'], 2)}x"
                         if ratios.get("same_requests") else ""))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = common.resolve_device(args.device)
-    env = common.environment(device)
-    text = common.text_config(args.shape)
-    stand_in, _ = common.transformers_text_config(text)
-    machine = common.machine(args)
-    element = common.dtype_bytes(args.dtype)
+    device = resolve_device(args.device)
+    env = environment(device)
+    text = text_config(args.shape)
+    stand_in, _ = transformers_text_config(text)
+    machine = Machine(args.mem_bandwidth, args.matmul_flops)
+    element = DTYPE_BYTES[args.dtype]
     requests = workload(args, text.vocab_size)
     # muse also runs the requests transformers runs (cheap), for a ratio on equal work.
     subset = args.hf_max_requests if not args.no_muse_subset \
         and args.hf_max_requests < len(requests) else None
     record: dict[str, Any] = {
         "benchmark": "throughput", "environment": env, "config": vars(args),
-        "shape": common.shape_record(args.shape), "machine": machine.to_dict(),
+        "shape": shape_record(args.shape), "machine": machine.to_dict(),
         "workload": {"num_requests": len(requests), "prompt_lens": args.prompt_lens,
                      "output_lens": args.output_lens, "seed": args.seed,
                      "prompt_tokens": sum(len(p) for p, _ in requests),
                      "output_tokens": sum(o for _, o in requests),
                      "ignore_eos": True, "sampling": "greedy"},
-        "roofline_note": common.ROOFLINE_NOTE + " Throughput: every request running at once, "
+        "roofline_note": ROOFLINE_NOTE + " Throughput: every request running at once, "
         "one prefill pass over all prompts then one decode step per output position, the "
         "phases summed (an engine that overlaps them could beat this).",
         "results": {}, "ratios": {}}
-    common.merge_previous(record, args.merge_from, args.engines, must_match=("workload",))
-    print(common.header("throughput", args, env), flush=True)
+    merge_previous(record, args.merge_from, args.engines, must_match=("workload",))
+    print(header("throughput", args, env), flush=True)
     for engine in args.engines:
         started = time.perf_counter()
         if engine == "muse":
             result = run_muse(args, device, requests, subset,
-                              common.Roofline(text, machine, element))
+                              Roofline(text, machine, element))
         else:
             result = run_transformers(args, device, text, requests,
-                                      common.Roofline(stand_in, machine, element))
+                                      Roofline(stand_in, machine, element))
         result["engine"]["wall_s"] = time.perf_counter() - started
         record["results"][engine] = result
         record["ratios"] = compare(record["results"])
-        common.write_json(args.out, record)
+        write_json(args.out, record)
     record["ratios"] = compare(record["results"])
-    common.write_json(args.out, record)
+    write_json(args.out, record)
     print(report(record), flush=True)
     return record
 

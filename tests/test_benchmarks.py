@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from benchmarks import common, latency, throughput
+from benchmarks import latency, throughput
+from benchmarks.roofline import (
+    H200_BF16_MATMUL_FLOPS,
+    H200_MEMORY_BANDWIDTH,
+    Machine,
+    ParameterBreakdown,
+    Roofline,
+    attention_flops,
+    kv_read_bytes,
+)
+from benchmarks.shapes import STAND_IN, hf_config, transformers_text_config
 from muse.checkpoint.hf_configs import qwen3_config
 from muse.config import FULL
 from muse.info import text_parameters
@@ -23,8 +33,8 @@ def check_environment(record: dict) -> None:
     env = record["environment"]
     for key in ("date", "torch", "transformers", "git_commit"):
         assert key in env
-    assert record["machine"]["memory_bandwidth_Bps"] == common.H200_MEMORY_BANDWIDTH
-    assert record["shape"]["transformers"]["stand_in"] == common.STAND_IN
+    assert record["machine"]["memory_bandwidth_Bps"] == H200_MEMORY_BANDWIDTH
+    assert record["shape"]["transformers"]["stand_in"] == STAND_IN
     assert record["shape"]["transformers"]["differences"]
 
 
@@ -97,7 +107,7 @@ def test_engines_run_apart_then_merged(tmp_path):
 def test_parameter_breakdown_matches_muse_info(shape):
     text = get_preset(shape).text_config
     counts = text_parameters(text)
-    params = common.ParameterBreakdown.of(text)
+    params = ParameterBreakdown.of(text)
     assert (params.total, params.active) == (counts.total, counts.active)
     # At batch 1 a decode step reads exactly the active weights, less the embedding table
     # but for one row.
@@ -110,7 +120,7 @@ def test_parameter_breakdown_matches_muse_info(shape):
                                    "muse-spark-15b-a2b", "muse-spark-tiny"])
 def test_transformers_config_has_the_same_shape(shape):
     text = get_preset(shape).text_config
-    stand_in, differences = common.transformers_text_config(text)
+    stand_in, differences = transformers_text_config(text)
     # The Qwen3 shapes run unchanged; Muse presets lose only what Qwen3 lacks.
     assert bool(differences) == shape.startswith("muse")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -119,7 +129,7 @@ def test_transformers_config_has_the_same_shape(shape):
         assert getattr(stand_in, name) == getattr(text, name), name
     assert stand_in.layer_types == [FULL] * text.num_hidden_layers
     # Read back the way muse reads Hugging Face checkpoints: the same model.
-    back = qwen3_config(common.hf_config(stand_in).to_dict()).text_config
+    back = qwen3_config(hf_config(stand_in).to_dict()).text_config
     assert text_parameters(back) == text_parameters(stand_in)
     assert back.layer_types == stand_in.layer_types and back.head_dim == text.head_dim
     if not differences:
@@ -128,8 +138,7 @@ def test_transformers_config_has_the_same_shape(shape):
 
 def test_rooflines_are_consistent():
     text = get_preset("qwen3-30b-a3b-shape").text_config
-    roof = common.Roofline(text, common.Machine(common.H200_MEMORY_BANDWIDTH,
-                                                common.H200_BF16_MATMUL_FLOPS), 2)
+    roof = Roofline(text, Machine(H200_MEMORY_BANDWIDTH, H200_BF16_MATMUL_FLOPS), 2)
     short, long = roof.single_stream(1024, 128), roof.single_stream(32768, 128)
     # Batch-1 decode is bound by memory and slows as the context (KV read) grows.
     assert short["decode_bound"] == "memory" and long["decode_tok_s"] < short["decode_tok_s"]
@@ -143,7 +152,6 @@ def test_rooflines_are_consistent():
     assert 5 * short["decode_tok_s"] < batch["output_tok_s"] < 10 * short["decode_tok_s"]
     # Sliding layers cap their KV reads and attention at the window.
     spark = get_preset("muse-spark-15b-a2b").text_config
-    assert common.kv_read_bytes(spark, 100_000, 2) < common.kv_read_bytes(
-        common.transformers_text_config(spark)[0], 100_000, 2)
-    assert common.attention_flops(spark, 0, 10) == common.attention_flops(
-        common.transformers_text_config(spark)[0], 0, 10)
+    stand_in = transformers_text_config(spark)[0]
+    assert kv_read_bytes(spark, 100_000, 2) < kv_read_bytes(stand_in, 100_000, 2)
+    assert attention_flops(spark, 0, 10) == attention_flops(stand_in, 0, 10)

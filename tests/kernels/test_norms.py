@@ -8,8 +8,12 @@ import torch
 pytest.importorskip("triton")
 
 from muse.kernels.norms import (  # noqa: E402
-    add_rms_norm, add_rms_norm_torch, add_rms_norm_triton, rms_norm, rms_norm_torch,
-    rms_norm_triton)
+    add_rms_norm,
+    add_rms_norm_torch,
+    rms_norm,
+    rms_norm_torch,
+)
+from muse.kernels.norms_triton import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from muse.reference.layers import rms_norm as reference_rms_norm  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 

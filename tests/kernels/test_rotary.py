@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from muse.config import RopeParameters, TextConfig  # noqa: E402
-from muse.kernels.rotary import qk_norm_rope, qk_norm_rope_torch, qk_norm_rope_triton  # noqa: E402
+from muse.kernels.rotary import qk_norm_rope, qk_norm_rope_torch  # noqa: E402
+from muse.kernels.rotary_triton import qk_norm_rope_triton  # noqa: E402
 from muse.reference.layers import AttentionProjections, rms_norm  # noqa: E402
 from muse.reference.rope import apply_rotary, rotary_cos_sin  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402

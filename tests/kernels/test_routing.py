@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("triton")
 
 from muse.config import TextConfig
-from muse.kernels.routing import route_topk, route_topk_torch, route_topk_triton
+from muse.kernels.routing import route_topk, route_topk_torch
+from muse.kernels.routing_triton import route_topk_triton
 from muse.reference.layers import route
 from tests.conftest import DEVICE
 
