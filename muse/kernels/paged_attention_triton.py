@@ -36,6 +36,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr):
+    """K and V rows of keys at positions `rel` (relative to the table's first block) of one kv
+    head, through the block table; rows where `valid` is false read as zeros."""
+    block = tl.load(table_ptr + rel // BLOCK_SIZE, mask=valid, other=0)
+    slot = rel % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
         tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr,
@@ -86,14 +102,9 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         rel = start + offs_n
         valid = rel < hi
-        block = tl.load(tables_ptr + request * stride_table + rel // BLOCK_SIZE, mask=valid,
-                        other=0)
-        slot = rel % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr + request * stride_table, rel, valid,
+                             d_mask, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
+                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every iteration has at least one valid key (start < hi), so m_new is finite.
@@ -196,14 +207,9 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         rel = start + offs_n
         valid = rel < hi
-        block = tl.load(tables_ptr + request * stride_table + rel // BLOCK_SIZE, mask=valid,
-                        other=0)
-        slot = rel % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr + request * stride_table, rel, valid,
+                             d_mask, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
+                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         key_pos = base + rel
         allowed = valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
