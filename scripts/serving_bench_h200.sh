@@ -7,7 +7,9 @@
 #   scripts/serving_bench_h200.sh OUT
 #
 # Run from the repository root with a python3 that has muse's dependencies (PYTHONPATH=.
-# is enough; muse need not be installed). Results, traces, plots and server logs go to OUT.
+# is enough; muse need not be installed; on a GPU image without the web stack, install the
+# wheels of scripts/fetch_server_wheels.sh first). Results, traces, plots and server logs go
+# to OUT.
 # The sizes are scaled to a few minutes of GPU time; docs/benchmarking.md has the full ones.
 set -u
 OUT=${1:?usage: scripts/serving_bench_h200.sh OUT}
