@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, throughput
+from benchmarks import latency, profile_step, throughput
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -155,3 +155,14 @@ def test_rooflines_are_consistent():
     stand_in = transformers_text_config(spark)[0]
     assert kv_read_bytes(spark, 100_000, 2) < kv_read_bytes(stand_in, 100_000, 2)
     assert attention_flops(spark, 0, 10) == attention_flops(stand_in, 0, 10)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_profile_step_runs_on_cpu(phase, tmp_path):
+    out = tmp_path / "profile.json"
+    record = profile_step.main(["--shape", "muse-spark-tiny", "--device", "cpu", "--phase",
+                                phase, "--context", "24", "--steps", "2", "--modes", "eager",
+                                "--top", "5", "--out", str(out)])
+    (run,) = record["runs"]
+    assert run["phase"] == phase and run["step_ms"] > 0 and run["kernels"]
+    assert json.loads(out.read_text())["runs"][0]["context"] == 24
