@@ -85,10 +85,10 @@ class DecodeGraphs:
                 and all(batch.table_width(kind) <= table.shape[1]
                         for kind, table in self.tables.items()))
 
-    def run(self, batch: HostBatch) -> torch.Tensor | None:
-        """Hidden states [requests, hidden] of a decode step, or None when not covered.
+    def prepare(self, batch: HostBatch) -> int | None:
+        """Copy a decode step's metadata into the static buffers, padded to its bucket.
 
-        The result is a view of the graph's output, valid until the next replay."""
+        Returns the bucket size, or None when the graphs do not cover the step."""
         if not self.covers(batch):
             return None
         count = batch.num_requests
@@ -110,7 +110,16 @@ class DecodeGraphs:
             rows = [t + [0] * (width - len(t)) for t in batch.tables[kind]]
             rows += [[0] * width] * len(pad)
             table[:size, :width].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+        return size
+
+    def run(self, batch: HostBatch) -> torch.Tensor | None:
+        """Hidden states [requests, hidden] of a decode step, or None when not covered.
+
+        The result is a view of the graph's output, valid until the next replay."""
+        size = self.prepare(batch)
+        if size is None:
+            return None
         graph, hidden = self.graphs[size]
         graph.replay()
         self.replays += 1
-        return hidden[:count]
+        return hidden[:batch.num_requests]

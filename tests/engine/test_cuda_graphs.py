@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from muse import LLM, SamplingParams
-from muse.engine.cuda_graphs import batch_buckets
+from muse.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from muse.engine.metadata import HostBatch
 from tests.engine.helpers import mixed_prompts
 
@@ -43,3 +43,36 @@ def test_graph_replays_match_eager_steps():
         else:
             assert graphs.replays >= 9  # every decode step after the prefill steps
     assert outputs[True] == outputs[False]
+
+
+def test_padded_graph_inputs_give_the_eager_hidden_states():
+    """What a replay computes, checked on any device: the bucket-padded static inputs, run
+    eagerly, give the real rows the hidden states of the unpadded step (up to float rounding:
+    the padded shapes change how sums are blocked)."""
+    llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", device="cpu",
+              enforce_eager=True, max_num_seqs=8)
+    engine = llm.engine
+    prompts = mixed_prompts(8192, 16, count=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    for _ in range(4):  # prefill, then a few decode steps
+        engine.step()
+    scheduled = engine.scheduler.schedule().scheduled
+    assert all(item.num_new_tokens == 1 for item in scheduled) and len(scheduled) == 3
+    runner = engine.runner
+    batch = runner._host_batch(scheduled)
+    input_ids, meta = batch.to_device(engine.device, runner.block_size)
+    with torch.inference_mode():
+        eager = engine.model(input_ids, meta, runner.kv_caches)
+
+    widths = {kind: 40 for kind in engine.kv_cache.pools}  # wider than needed, as captured
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, widths, 8, runner.block_size,
+                          engine.device)
+    size = graphs.prepare(batch)
+    assert size == 4  # three requests padded to the bucket of four
+    with torch.inference_mode():
+        padded = engine.model(*graphs._inputs(size), runner.kv_caches)
+    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+    # The tiny preset has both kinds of layers, so both kinds of tables were padded.
+    assert set(widths) == {"sliding_attention", "full_attention"}
