@@ -117,15 +117,16 @@ class KVCacheManager:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _block_keys(self, request: Request, blocks: RequestBlocks, num_tokens: int) -> list:
-        """Keys of the request's full blocks within its first `num_tokens` tokens."""
-        tokens = request.all_token_ids
+    def _block_keys(self, request: Request, blocks: RequestBlocks, num_tokens: int) -> int:
+        """Extend `blocks.keys` over the request's full blocks within its first `num_tokens`
+        tokens; returns how many full blocks that is (the keys may already go further)."""
         keys = blocks.keys
         for index in range(len(keys), num_tokens // self.block_size):
             parent = hash(keys[-1]) if keys else None
-            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            chunk = tuple(request.token_ids(index * self.block_size,
+                                            (index + 1) * self.block_size))
             keys.append((parent, chunk))
-        return keys[:num_tokens // self.block_size]
+        return num_tokens // self.block_size
 
     def _state(self, request: Request) -> RequestBlocks:
         if request.request_id not in self.requests:
@@ -139,9 +140,10 @@ class KVCacheManager:
         """Number of leading tokens whose KV the prefix cache can supply (block multiple)."""
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return 0
-        keys = self._block_keys(request, self._state(request), request.num_tokens - 1)
+        state = self._state(request)
         # Global layers: the longest run of cached blocks from the start.
-        longest = len(keys)
+        longest = self._block_keys(request, state, request.num_tokens - 1)
+        keys = state.keys
         for kind, pool in self.pools.items():
             if kind == SLIDING:
                 continue
@@ -205,18 +207,23 @@ class KVCacheManager:
         if state is None:
             return
         computed = request.num_computed_tokens
-        keys = self._block_keys(request, state, computed) if self.enable_prefix_caching else []
+        full = self._block_keys(request, state, computed) if self.enable_prefix_caching else 0
         for kind, pool in self.pools.items():
             table = state.tables[kind]
             if self.enable_prefix_caching:
-                for index in range(state.num_registered[kind], len(keys)):
+                for index in range(state.num_registered[kind], full):
                     if table[index] != NULL_BLOCK:
-                        pool.register(table[index], keys[index])
-                state.num_registered[kind] = len(keys)
-            for index in range(self.window_start_block(kind, computed)):
-                if table[index] != NULL_BLOCK:
-                    pool.release(table[index])
-                    table[index] = NULL_BLOCK
+                        pool.register(table[index], state.keys[index])
+                state.num_registered[kind] = full
+            # Blocks before the window start are null up to where the last release stopped,
+            # so only the newly passed ones are visited (oldest first, as they left the window).
+            end = self.window_start_block(kind, computed)
+            start = end
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            for index in range(start, end):
+                pool.release(table[index])
+                table[index] = NULL_BLOCK
 
     def free(self, request: Request) -> None:
         """Give back every block; cached ones stay reusable until evicted."""

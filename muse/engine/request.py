@@ -62,9 +62,15 @@ class Request:
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without copying the whole sequence (a
+        step reads a few tokens of sequences that can be a million long)."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return prompt[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def num_tokens(self) -> int:

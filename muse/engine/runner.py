@@ -56,7 +56,7 @@ class ModelRunner:
         for index, item in enumerate(scheduled):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            batch.input_ids.extend(request.all_token_ids[start:end])
+            batch.input_ids.extend(request.token_ids(start, end))
             new_positions = range(start, end)
             batch.positions.extend(new_positions)
             batch.token_request.extend([index] * item.num_new_tokens)
