@@ -55,7 +55,10 @@ def request_body(history: list[dict[str, Any]], max_tokens: int, options: Reques
     # Greedy, so that a conversation carried on with the server's replies repeats.
     body: dict[str, Any] = {"model": options.model, "max_tokens": max_tokens,
                             "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            # Usage in every chunk (vLLM, SGLang and muse send it) times
+                            # each token, even one that adds no text.
+                            "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
     if options.endpoint == "chat":
         body["messages"] = history
     else:
@@ -73,7 +76,7 @@ def body_digest(body: dict[str, Any]) -> str:
 
 
 def _output(choice: dict[str, Any]) -> tuple[bool, str]:
-    """(whether this chunk carries generated output, the part that belongs to the reply)."""
+    """(whether this chunk carries generated text, the part that belongs to the reply)."""
     if "text" in choice:
         return bool(choice["text"]), choice["text"] or ""
     delta = choice.get("delta") or {}
@@ -81,6 +84,11 @@ def _output(choice: dict[str, Any]) -> tuple[bool, str]:
     produced = bool(content or delta.get("reasoning_content") or delta.get("reasoning")
                     or delta.get("tool_calls"))
     return produced, content
+
+
+def _completion_tokens(event: dict[str, Any]) -> int | None:
+    usage = event.get("usage")
+    return usage.get("completion_tokens") if isinstance(usage, dict) else None
 
 
 def _read_usage(result: StreamResult, usage: dict[str, Any]) -> None:
@@ -96,6 +104,7 @@ async def stream_request(http: httpx.AsyncClient, endpoint: str, body: dict[str,
     parts: list[str] = []
     start = time.perf_counter()
     last = start
+    tokens_so_far = 0
     try:
         async with http.stream("POST", ENDPOINTS[endpoint], json=body) as response:
             if response.status_code != 200:
@@ -114,9 +123,16 @@ async def stream_request(http: httpx.AsyncClient, endpoint: str, body: dict[str,
                     return result
                 if event.get("usage"):
                     _read_usage(result, event["usage"])
+                # With per-chunk usage a chunk produced tokens when the count grew (its text
+                # may be empty: a partial character, a hidden special token); without it,
+                # when it carries text.
+                counted = _completion_tokens(event)
                 for choice in event.get("choices") or []:
                     produced, text = _output(choice)
+                    if counted is not None:
+                        produced = counted > tokens_so_far
                     if not produced:
+                        parts.append(text)
                         continue
                     now = time.perf_counter()
                     if result.ttft_s is None:
@@ -126,6 +142,8 @@ async def stream_request(http: httpx.AsyncClient, endpoint: str, body: dict[str,
                         result.itl_s.append(round(now - last, 6))
                     last = now
                     parts.append(text)
+                if counted is not None:
+                    tokens_so_far = max(tokens_so_far, counted)
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result

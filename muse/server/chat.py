@@ -79,11 +79,14 @@ async def _stream(request: ChatCompletionRequest, plan: ChatPlan, updates: Async
                   head: dict) -> AsyncIterator[str]:
     chunk = {**head, "object": "chat.completion.chunk"}
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    continuous_usage = include_usage and request.stream_options.continuous_usage_stats
     made_tool_calls = [False] * plan.params.n
 
     def choice(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**chunk, "choices": [body], **({"usage": None} if include_usage else {})})
+        chunk_usage = usage(state) if continuous_usage else None
+        return sse({**chunk, "choices": [body],
+                    **({"usage": chunk_usage} if include_usage else {})})
 
     for index in range(plan.params.n):
         yield choice(index, {"role": "assistant", "content": ""})
@@ -100,7 +103,7 @@ async def _stream(request: ChatCompletionRequest, plan: ChatPlan, updates: Async
             made_tool_calls[update.index] |= bool(delta.tool_calls)
             logprobs = chat_logprobs(tokenizer, update.logprobs) \
                 if plan.params.logprobs is not None and update.logprobs else None
-            if not delta.is_empty() or logprobs:
+            if not delta.is_empty() or logprobs or (continuous_usage and update.token_ids):
                 yield choice(update.index, _delta_json(delta), logprobs=logprobs)
             if update.finish_reason is not None:
                 yield choice(update.index, {}, _finish_reason(update.finish_reason,

@@ -79,6 +79,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
                   head: dict) -> AsyncIterator[str]:
     n = request.n
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    continuous_usage = include_usage and request.stream_options.continuous_usage_stats
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(p: int) -> None:
@@ -115,7 +116,8 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"] if t)
             yield sse({**head, "object": "text_completion", "choices": [{
                 "index": p * n + update.index, "text": text, "logprobs": logprobs,
-                "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}]})
+                "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}],
+                **({"usage": _usage(states)} if continuous_usage else {})})
         if include_usage:
             yield sse({**head, "object": "text_completion", "choices": [],
                        "usage": _usage(states)})

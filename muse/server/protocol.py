@@ -19,6 +19,9 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # As in vLLM: every chunk carries the usage so far, and a chunk is sent for every step
+    # that generated tokens even when they add no text, so clients can time each token.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(OpenAIModel):

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from muse.cli import main
+from muse.tokenizer import PAD_ID
 
 COUNTERS = ("muse_prompt_tokens_total", "muse_generation_tokens_total",
             "muse_prefix_cache_hits_tokens", "muse_prefix_cache_queries_tokens")
@@ -49,7 +50,8 @@ def run_and_check(base_url: str, out: Path, run_id: str, *flags: str) -> dict[st
         delta["muse_generation_tokens_total"]
     for r in requests:
         assert r["completion_tokens"] == r["intended_output_tokens"]  # ignore_eos: exact
-        assert 1 <= r["num_chunks"] <= r["completion_tokens"]
+        # muse sends the usage in every chunk, one chunk per generated token.
+        assert r["num_chunks"] == r["completion_tokens"]
         assert len(r["itl_s"]) == r["num_chunks"] - 1
         assert 0 < r["ttft_s"] < r["e2e_s"]
     summaries = results["summaries"]
@@ -125,6 +127,17 @@ def test_random_workload_on_completions_shares_no_prefix(muse_server: str, tmp_p
     assert len(results["requests"]) == 4
     assert all(r["cached_tokens"] == 0 for r in results["requests"])
     assert results["summaries"][0]["prefix_cache"]["usage_hit_rate"] == 0
+
+
+def test_tokens_that_add_no_text_are_still_timed(muse_server: str, tmp_path: Path) -> None:
+    # Forced to the hidden padding token, the replies have no text at all (as random weights
+    # with a smaller tokenizer than the model's vocabulary nearly do).
+    results = run_and_check(muse_server, tmp_path, "textless", "--workload", "random",
+                            "--num-requests", "2", "--input-tokens", "50:60",
+                            "--output-tokens", "6:6", "--concurrency", "2", "--extra-body",
+                            json.dumps({"logit_bias": {str(PAD_ID): 100}}))
+    assert all(r["ttft_s"] > 0 and len(r["itl_s"]) == 5 for r in results["requests"])
+    assert results["summaries"][0]["itl_ms"]["p50"] > 0
 
 
 def test_trace_generation_with_the_server_tokenizer_is_deterministic(

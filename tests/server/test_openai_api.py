@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import muse
-from muse.tokenizer import MuseTokenizer
+from muse.tokenizer import PAD_ID, MuseTokenizer
 from tests.live_server import MAX_MODEL_LEN, MODEL
 from tests.server.helpers import (
     TOOL_SCHEMAS,
@@ -213,6 +213,28 @@ def test_completion_stream_matches_the_whole_reply(client, n):
     assert streamed["usage"] is not None and same_usage(streamed["usage"], whole.usage)
     if n == 2:
         assert whole.choices[0].text != whole.choices[1].text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_times_every_token_even_without_text(client, endpoint):
+    # The padding token is a hidden special token: forced by logit_bias, every generated token
+    # adds no text, yet each step must still send a chunk with the usage so far.
+    request = dict(model=MODEL, max_tokens=8, logit_bias={str(PAD_ID): 100}, extra_body=NO_EOS,
+                   stream=True, stream_options={"include_usage": True,
+                                                "continuous_usage_stats": True})
+    if endpoint == "chat":
+        stream = client.chat.completions.create(messages=MESSAGES, **request)
+    else:
+        stream = client.completions.create(prompt=PROMPT, **request)
+    counts, texts = [], []
+    for chunk in stream:
+        assert chunk.usage is not None, "every chunk carries the usage"
+        counts.append(chunk.usage.completion_tokens)
+        for choice in chunk.choices:
+            texts.append(choice.text if endpoint == "completions" else choice.delta.content)
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert len(set(counts) - {0}) == 8, "one chunk per generated token"
+    assert not "".join(t or "" for t in texts)
 
 
 def test_completion_of_several_prompts_with_n(server, client):
