@@ -230,11 +230,13 @@ def _combine_kernel(
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
-                  eps: float, one_pair_per_block: bool | None = None) -> torch.Tensor:
+                  eps: float, one_pair_per_block: bool | None = None,
+                  tiles: Tiles | None = None) -> torch.Tensor:
     """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
 
     one_pair_per_block: None picks the mode from the number of pairs
-    (`use_one_pair_per_block`); True / False force it (tests, benchmarks).
+    (`use_one_pair_per_block`); True / False force it (tests, benchmarks). tiles: None
+    picks them from the shapes (`choose_tiles`); given, they are used (tuning).
     """
     num_tokens, latent = x.shape
     top_k = expert_ids.shape[1]
@@ -257,11 +259,11 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         # Block b is pair b; the kernels read its expert straight from expert_ids and never
         # read sorted_pairs (any pointer will do). Pairs that share an expert each stream
         # its weights, mostly from L2 (see use_one_pair_per_block): fine at decode sizes.
-        tiles = DECODE_TILES
+        tiles = tiles or DECODE_TILES
         sorted_pairs, block_expert = expert_ids, expert_ids
         num_blocks = num_rows = num_pairs
     else:
-        tiles = choose_tiles(num_pairs, num_experts)
+        tiles = tiles or choose_tiles(num_pairs, num_experts)
         sorted_pairs, block_expert = align_pairs(expert_ids, num_experts, tiles.block_m)
         num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
     # Float32 models are the precise reference configuration: keep TF32 out of their dots.

@@ -159,6 +159,40 @@ def _combine_kernel(
 
 
 @triton.jit
+def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
+                  k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One online-softmax step over the keys at relative positions start..start+BLOCK_N.
+
+    MASKED=False is for tiles every query row sees whole (below the causal diagonal, inside
+    every row's window): no position tests at all, which is most of the work at long
+    contexts."""
+    rel = start + offs_n
+    valid = rel < hi
+    k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         BLOCK_SIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        key_pos = base + rel
+        allowed = valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            allowed &= key_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+    # A row can see no key of a masked tile (window already past it, or not yet reached),
+    # so m_new may be -inf: shift by 0 then, which keeps exp2 at 0 instead of NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, first_block_ptr, seq_lens_ptr,
         query_start_ptr, scale_log2, window, table_width,
@@ -168,7 +202,9 @@ def _prefill_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
     request = tl.program_id(0)
-    tile = tl.program_id(1)
+    # Causal tiles further down the prompt see more keys: the grid hands them out first, so
+    # the short ones fill in at the end instead of the long ones trailing alone.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(2)
     q_row0 = tl.load(query_start_ptr + request)
     q_len = tl.load(query_start_ptr + request + 1) - q_row0
@@ -192,39 +228,43 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
-    # Keys this tile can see: up to its last real query (causal), from the window start of
-    # its first query (sliding); relative to `base`.
+    # Keys this tile can see, relative to `base`: up to its last real query (causal), from
+    # the window start of its first query (sliding). Keys in [full_lo, full_hi) are seen by
+    # every row: at or before the first query, inside the last query's window.
     first_pos = seq_len - q_len + tile * BLOCK_Q
-    hi = tl.minimum(first_pos + BLOCK_Q, seq_len) - base
-    hi = tl.minimum(hi, table_width * BLOCK_SIZE)
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    hi = tl.minimum(last_pos + 1 - base, table_width * BLOCK_SIZE)
     lo = 0
+    full_lo = 0
     if SLIDING:
         lo = tl.maximum(first_pos - window + 1 - base, 0)
+        full_lo = tl.minimum(tl.maximum(last_pos - window + 1 - base, 0), hi)
+    full_hi = tl.minimum(first_pos + 1 - base, hi)
+    full_end = full_lo + tl.maximum(full_hi - full_lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        rel = start + offs_n
-        valid = rel < hi
-        k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr + request * stride_table, rel, valid,
-                             d_mask, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
-                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        key_pos = base + rel
-        allowed = valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
-        if SLIDING:
-            allowed &= key_pos[None, :] > q_pos[:, None] - window
-        s = tl.where(allowed, s, float("-inf"))
-        # A row can see no key of this tile (window already past it, or not yet reached),
-        # so m_new may be -inf: shift by 0 then, which keeps exp2 at 0 instead of NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    table_ptr = tables_ptr + request * stride_table
+    if SLIDING:  # the lower edge of the window: partly masked
+        for start in range(lo, full_lo, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(
+                acc, m_i, l_i, q, q_pos, start, full_lo, offs_n, base, window, table_ptr,
+                k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, True, SLIDING, PRECISION)
+    for start in range(full_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, start, full_end, offs_n, base, window, table_ptr,
+            k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, False, SLIDING, PRECISION)
+    for start in range(full_end, hi, BLOCK_N):  # the causal diagonal: masked
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
+            k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, True, SLIDING, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_offsets = (q_row0 + token)[:, None] * stride_ot \
@@ -310,7 +350,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
-             block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+             block_m: int | None = None, block_n: int | None = None,
+             num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     _, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
     wide = k_cache.element_size() >= 4
@@ -334,7 +375,7 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION=_precision(k_cache.dtype),
         # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
         # and the probabilities. Two stages overlap the next K/V pages with this tile's math.
-        num_warps=8 if block_q * block_g >= 64 else 4, num_stages=2)
+        num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages)
     return out
 
 

@@ -138,6 +138,14 @@ def test_prefill_small_tiles(device, window, group):
           block_m=16 * group, block_n=16)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_long_chunks_cross_every_key_region(device, window):
+    # Chunks after a long cached context: per query tile, the window's masked lower edge,
+    # several whole key tiles every row sees, and the masked causal diagonal.
+    check([(300, 40), (0, 70), (180, 1)], device=device, window=window, group=2,
+          run=_prefill, block_m=32, block_n=32)
+
+
 @pytest.mark.parametrize(("batch", "window"), [("decode", 16), ("mixed", None), ("mixed", 16)])
 def test_garbage_outside_context_is_ignored(device, batch, window):
     q, k_cache, v_cache, meta, kind, out = check(BATCHES[batch], device=device, window=window)
