@@ -1,16 +1,18 @@
-"""Which tile sizes are fastest on this GPU? Times the candidate configurations of muse's
-Triton kernels at the shapes the benchmark models run, next to the configuration in use.
+"""Which tile sizes are fastest on this GPU? Times candidate configurations of muse's
+compute-bound Triton kernels at the shapes the benchmark models prefill.
 
-Three sweeps (`--sweeps`), each on random bf16 data and timed with `triton.testing.do_bench`
-(median of repeated launches, the L2 cache flushed in between, as a real step would find it):
+Two sweeps (`--sweeps`), on random bf16 data, timed with `triton.testing.do_bench` (median of
+repeated launches, the L2 cache flushed in between):
 
-* `linear`: the skinny decode matmul (`muse.kernels.linear_triton`) against cuBLAS
-  (`F.linear`) for every projection of the three shapes at 1 and 8 rows;
-* `moe`: the fused experts' tiles (`muse.kernels.moe_triton.Tiles`) at prefill (8192 tokens)
-  and decode (1 token) sizes of the two MoE shapes; GEMM 1's tiles first, then GEMM 2's with
-  the best GEMM 1;
+* `moe`: the fused experts' tiles (`muse.kernels.moe_triton.Tiles`) for 8192 tokens (and, for
+  reference, 1) of the two MoE shapes; GEMM 1's tiles first, then GEMM 2's with the best
+  GEMM 1;
 * `attention`: the paged prefill attention's tiles for an 8192-token chunk over 0 and 24576
   cached tokens (32 query / 4 kv heads of 128).
+
+do_bench times launches from Python without a CUDA graph, so kernels of a few microseconds
+(decode sizes) measure mostly the launch; only the millisecond-scale prefill figures are
+meaningful for choosing tiles.
 
     python benchmarks/tune_kernels.py --out tune.json
 """
@@ -26,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.report import environment, write_json  # noqa: E402
 
@@ -46,44 +47,6 @@ def _timed(label: str, fn: Callable[[], object]) -> float | None:
     except Exception as error:  # noqa: BLE001 - a tile that does not fit is an answer too
         print(f"    {label}: failed ({type(error).__name__}: {str(error)[:80]})")
         return None
-
-
-# (name, out features, in features) of each shape's decode projections.
-LINEARS = {
-    "qwen3-30b-a3b": [("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("router", 128, 2048)],
-    "muse-spark-15b-a2b": [("qkv", 5120, 2048), ("o_proj", 2048, 4096),
-                           ("router", 256, 2048), ("pooler", 1024, 2048),
-                           ("unpooler", 2048, 1024)],
-    "qwen3-0.6b": [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024),
-                   ("down", 1024, 3072)],
-}
-LINEAR_CONFIGS = [(n, k, w, s) for n, k, w, s in itertools.product(
-    (16, 32), (128, 256, 512), (4,), (3, 4, 6)) if n * k <= 8192]
-
-
-def sweep_linear(device: torch.device) -> list[dict]:
-    from muse.kernels.linear_triton import SKINNY_CONFIG, skinny_linear
-
-    rows = []
-    for shape, projections in LINEARS.items():
-        for (name, width, depth), count in itertools.product(projections, (1, 8)):
-            weight = torch.randn(width, depth, dtype=DTYPE, device=device)
-            x = torch.randn(count, depth, dtype=DTYPE, device=device)
-            cublas = _time_us(lambda: F.linear(x, weight))
-            timings = {config: _timed(str(config), lambda c=config: skinny_linear(x, weight, c))
-                       for config in LINEAR_CONFIGS}
-            ok = {c: t for c, t in timings.items() if t is not None}
-            best = min(ok, key=ok.get)
-            gb = width * depth * 2 / 1e9
-            row = {"shape": shape, "projection": name, "rows": count, "cublas_us": cublas,
-                   "current_us": ok.get(SKINNY_CONFIG), "best_us": ok[best],
-                   "best_config": list(best), "weight_gb": gb,
-                   "all": {str(list(c)): t for c, t in timings.items()}}
-            rows.append(row)
-            print(f"  linear {shape:18s} {name:8s} x{count}: cuBLAS {cublas:6.1f} us, "
-                  f"current {row['current_us'] or float('nan'):6.1f}, best {ok[best]:6.1f} "
-                  f"{list(best)} ({gb / ok[best] * 1e6:.0f} GB/s)")
-    return rows
 
 
 # (name, experts, top-k, latent width, expert width) of the MoE shapes.
@@ -188,12 +151,12 @@ def sweep_attention(device: torch.device) -> list[dict]:
     return rows
 
 
-SWEEPS = {"linear": sweep_linear, "moe": sweep_moe, "attention": sweep_attention}
+SWEEPS = {"moe": sweep_moe, "attention": sweep_attention}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweeps", default="linear,moe,attention")
+    parser.add_argument("--sweeps", default="moe,attention")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda")

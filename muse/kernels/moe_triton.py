@@ -68,14 +68,16 @@ def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
     (128) with 4 stages keep several loads in flight per program.
     Many pairs per expert (prefill): the GEMMs become compute bound and larger tiles reuse each
     loaded weight tile across more rows. GEMM 1 keeps two accumulators (gate and up), so its
-    N tile is half of GEMM 2's to hold the same register budget.
+    N tile is a quarter of GEMM 2's. The largest tiles were measured on the H200 at 8192
+    tokens (`benchmarks/tune_kernels.py`, docs/performance.md): GEMM 2 with 256 columns beat
+    128 by 3-8% on both MoE shapes; wider GEMM 1 tiles did not help consistently.
     """
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 16:
         return DECODE_TILES
     if per_expert <= 96:
         return Tiles(64, (64, 64, 4, 3), (64, 64, 4, 3))
-    return Tiles(128, (64, 64, 8, 3), (128, 64, 8, 3))
+    return Tiles(128, (64, 64, 8, 3), (256, 64, 8, 3))
 
 
 # Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands

@@ -351,15 +351,20 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
              block_m: int | None = None, block_n: int | None = None,
-             num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     _, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
     wide = k_cache.element_size() >= 4
-    # 128 query rows x 64 keys is the usual Hopper flash-attention tile for 16-bit inputs
-    # (wgmma, no register spills at head_dim 64 or 128 with 8 warps). float32 runs its dots on
-    # FMA units at IEEE precision, so its tiles are halved to bound registers and shared memory.
+    # 16-bit inputs: 128 query rows x 128 keys, 8 warps, 3 stages, measured on the H200
+    # (`benchmarks/tune_kernels.py`: 26-28% faster than 128 x 64 with 2 stages for an 8K
+    # chunk after 0 or 24K cached tokens). Three stages of 128-key K and V tiles need 192 KB
+    # of shared memory at head_dim 128, so wider heads take 64 keys. float32 runs its dots
+    # on FMA units at IEEE precision, so its tiles are smaller to bound registers.
+    narrow_heads = block_d <= 128
     block_m = block_m or (64 if wide else 128)
-    block_n = block_n or (32 if wide else 64)
+    block_n = block_n or (32 if wide else 128 if narrow_heads else 64)
+    if num_stages is None:
+        num_stages = 3 if not wide and narrow_heads else 2
     block_g = triton.next_power_of_2(group)
     block_q = max(block_m // block_g, -(-16 // block_g))  # at least 16 rows for tl.dot
     tables = kind.block_tables
@@ -374,7 +379,7 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=block_n, BLOCK_SIZE=meta.block_size, SLIDING=sliding_window is not None,
         PRECISION=_precision(k_cache.dtype),
         # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
-        # and the probabilities. Two stages overlap the next K/V pages with this tile's math.
+        # and the probabilities. The stages overlap the next K/V pages with this tile's math.
         num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages)
     return out
 

@@ -14,7 +14,6 @@ from torch import nn
 
 from muse.config import LAYER_TYPES, TextConfig
 from muse.engine.metadata import BatchMetadata
-from muse.kernels.linear import use_engine_linears
 from muse.kernels.norms import add_rms_norm, rms_norm
 from muse.model.attention import PagedAttention
 from muse.model.moe import EngineMoE
@@ -64,11 +63,9 @@ class EngineModel(nn.Module):
         self._rope_on_device: dict[torch.device, dict[str, tuple[torch.Tensor, float]]] = {}
 
     def fuse_projections(self) -> None:
-        """Once the weights are in place: merge projections that read the same input, and
-        route the layers' projections through the skinny decode matmul (`EngineLinear`)."""
+        """Once the weights are in place: merge projections that read the same input."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
-        use_engine_linears(self.model.layers)
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         # The frequencies move to the device once: a copy from the host cannot sit inside a
