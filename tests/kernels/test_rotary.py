@@ -47,11 +47,12 @@ def reference(q, k, q_weight, k_weight, cos, sin):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-# (tokens, q heads, k heads, head_dim). The interpreter runs one (token, head) program at a
-# time, so the 37-token cases keep few heads and the many-head cases few tokens.
+# (tokens, q heads, k heads, head_dim). The interpreter runs one (token, head group) program
+# at a time, so the 37-token cases keep few heads and the many-head cases few tokens. 20 and
+# 12 heads span several 8-head groups, the last one partly masked.
 CASES = [
     (1, 1, 1, 16), (1, 8, 2, 128), (3, 5, 3, 64), (37, 2, 1, 64), (37, 1, 1, 128),
-    (37, 2, 1, 16),
+    (37, 2, 1, 16), (2, 20, 4, 64), (3, 12, 12, 32),
 ]
 
 
