@@ -16,7 +16,6 @@ from muse.engine.request import Request, RequestStatus
 from muse.engine.runner import ModelRunner, allocate_kv_caches
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import Scheduler
-from muse.kernels.linear import tune_decode_linears
 from muse.model.decoder import EngineModel
 from muse.presets import PRESETS, get_preset
 from muse.reference.model import init_weights, init_weights_on_device
@@ -146,8 +145,6 @@ class EngineCore:
                                   -(-self.config.sliding_window // block_size) + 2)
         graphs = DecodeGraphs(self.model, kv_caches, widths, self.args.max_num_seqs,
                               block_size, self.device)
-        # Before the capture, which bakes each projection's kernel choice into the graphs.
-        tune_decode_linears(self.model.decode_linear_weights(), graphs.buckets)
         graphs.capture()
         return graphs
 

@@ -7,10 +7,10 @@ kernels; elsewhere their plain-torch twins, which the kernels are tested against
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from muse.engine.metadata import BatchMetadata
-from muse.kernels.linear import linear
 from muse.kernels.paged_attention import paged_attention, write_kv
 from muse.kernels.rotary import qk_norm_rope
 from muse.reference.layers import AttentionProjections
@@ -48,7 +48,7 @@ class PagedAttention(AttentionProjections):
             return super().project(x)
         q_width = self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, self.fused_qkv).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = F.linear(x, self.fused_qkv).split([q_width, kv_width, kv_width], dim=-1)
         lead = x.shape[:-1]
         return (q.view(*lead, self.num_heads, self.head_dim),
                 k.view(*lead, self.num_kv_heads, self.head_dim),

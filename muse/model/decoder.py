@@ -14,7 +14,6 @@ from torch import nn
 
 from muse.config import LAYER_TYPES, TextConfig
 from muse.engine.metadata import BatchMetadata
-from muse.kernels.linear import use_engine_linears
 from muse.kernels.norms import add_rms_norm, rms_norm
 from muse.model.attention import PagedAttention
 from muse.model.moe import EngineMoE
@@ -64,25 +63,9 @@ class EngineModel(nn.Module):
         self._rope_on_device: dict[torch.device, dict[str, tuple[torch.Tensor, float]]] = {}
 
     def fuse_projections(self) -> None:
-        """Once the weights are in place: merge projections that read the same input, and
-        route the layers' projections through the skinny decode matmul (`EngineLinear`)."""
+        """Once the weights are in place: merge projections that read the same input."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
-        use_engine_linears(self.model.layers)
-
-    def decode_linear_weights(self) -> list[torch.Tensor]:
-        """The matrices a decode step multiplies by its few rows (layers only: the LM head is
-        one large matrix cuBLAS already streams at full speed)."""
-        weights = []
-        for layer in self.model.layers:
-            attention = layer.self_attn
-            replaced = set()  # q/k/v once fused: their product runs on the fused matrix
-            if attention.fused_qkv is not None:
-                weights.append(attention.fused_qkv)
-                replaced = {id(attention.q_proj), id(attention.k_proj), id(attention.v_proj)}
-            weights += [m.weight for m in layer.modules() if isinstance(m, nn.Linear)
-                        and m.bias is None and id(m) not in replaced]
-        return weights
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         # The frequencies move to the device once: a copy from the host cannot sit inside a

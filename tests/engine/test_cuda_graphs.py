@@ -76,19 +76,3 @@ def test_padded_graph_inputs_give_the_eager_hidden_states():
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     # The tiny preset has both kinds of layers, so both kinds of tables were padded.
     assert set(widths) == {"sliding_attention", "full_attention"}
-
-
-def test_decode_linear_weights_are_the_matrices_a_decode_step_multiplies():
-    engine = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", device="cpu",
-                 enforce_eager=True).engine
-    weights = engine.model.decode_linear_weights()
-    layer = engine.model.model.layers[0]
-    attention, mlp = layer.self_attn, layer.mlp
-    ids = {w.data_ptr() for w in weights}
-    assert attention.fused_qkv.data_ptr() in ids and attention.o_proj.weight.data_ptr() in ids
-    # q/k/v are views of the fused matrix, whose product replaces theirs.
-    assert attention.k_proj.weight.data_ptr() not in ids
-    assert mlp.gate.weight.data_ptr() in ids
-    assert engine.model.lm_head.weight.data_ptr() not in ids
-    per_layer = len(weights) / len(engine.model.model.layers)
-    assert per_layer == len([m for m in layer.modules() if isinstance(m, torch.nn.Linear)]) - 2
