@@ -51,6 +51,7 @@ def _timed(label: str, fn: Callable[[], object]) -> float | None:
 
 # (name, experts, top-k, latent width, expert width) of the MoE shapes.
 MOES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("muse-spark-15b-a2b", 256, 8, 1024, 640)]
+MOE_TOKENS = (8192, 1)  # a prefill chunk, a decode step
 GEMM1_PREFILL = [(64, 64, 8, 3), (64, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3),
                  (128, 32, 8, 4), (64, 64, 4, 4), (32, 64, 4, 4)]
 GEMM2_PREFILL = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3), (64, 64, 4, 4),
@@ -63,7 +64,7 @@ def sweep_moe(device: torch.device) -> list[dict]:
     from muse.kernels.moe_triton import Tiles, choose_tiles, fused_experts
 
     rows = []
-    for (shape, experts, top_k, latent, inter), tokens in itertools.product(MOES, (8192, 1)):
+    for (shape, experts, top_k, latent, inter), tokens in itertools.product(MOES, MOE_TOKENS):
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tokens, latent, dtype=DTYPE, device=device, generator=gen)
         gate_up = torch.randn(experts, 2 * inter, latent, dtype=DTYPE, device=device,
