@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,10 +78,13 @@ async def first_then_rest(updates: AsyncIterator[SampleUpdate]
         raise APIError(500, f"the engine failed: {error}", code="engine_dead") from None
 
     async def rest() -> AsyncIterator[SampleUpdate]:
-        if first is not None:
-            yield first
-        async for update in updates:
-            yield update
+        # Closing `rest` closes `updates` at once (not when it is garbage collected), so a
+        # request whose client left is aborted and counted before the response ends.
+        async with aclosing(updates):
+            if first is not None:
+                yield first
+            async for update in updates:
+                yield update
 
     return first, rest()
 

@@ -1,0 +1,82 @@
+"""Closing a reply's update stream aborts the request and counts it at once.
+
+The stream is closed while the test still holds every inner generator, so nothing can be
+left to the garbage collector: only an explicit close runs the cleanup in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from muse.engine.sampling_params import SamplingParams
+from muse.server.engine_client import EngineClient
+from muse.server.generation import GenerationState, generate
+from muse.server.messages import AbortRequest, AddRequest, SampleDelta
+from muse.server.metrics import ServerMetrics
+from muse.server.responses import first_then_rest
+
+
+class FakeEngineClient(EngineClient):
+    """Answers every request with `num_tokens` one-token deltas, at once."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__()
+        self.num_tokens = num_tokens
+        self.commands: list = []
+
+    def _submit(self, command) -> None:
+        self.commands.append(command)
+        if isinstance(command, AddRequest):
+            for i in range(self.num_tokens):
+                self.queues[command.request_id].put_nowait(SampleDelta(
+                    command.request_id, 0, [7], None,
+                    "length" if i == self.num_tokens - 1 else None, 3, 0))
+
+
+class Tokenizer:
+    def decode(self, token_ids, **_) -> str:
+        return "x" * len(token_ids)
+
+    def convert_ids_to_tokens(self, token_ids):
+        return ["x"] * len(token_ids)
+
+
+def requests_counted(metrics: ServerMetrics, status: str) -> float:
+    return metrics.registry.get_sample_value("muse_requests_total", {"status": status}) or 0.0
+
+
+def test_closing_the_stream_midway_aborts_and_counts_the_request_at_once():
+    async def scenario():
+        client, metrics = FakeEngineClient(num_tokens=10), ServerMetrics()
+        params = SamplingParams(max_tokens=10)
+        inner = generate(client, Tokenizer(), "r1", [1, 2, 3], params, metrics,
+                         GenerationState())
+        first, rest = await first_then_rest(inner)
+        assert first is not None
+        await rest.__anext__()
+        await rest.aclose()  # what the response does when its client goes away
+        # Checked inside the loop: leaving it closes every generator still open.
+        assert [type(c) for c in client.commands] == [AddRequest, AbortRequest]
+        assert not client.queues
+        assert requests_counted(metrics, "abort") == 1
+        assert requests_counted(metrics, "finished") == 0
+        assert inner.ag_frame is None  # closed, not waiting for the garbage collector
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_read_to_the_end_counts_the_request_finished():
+    async def scenario():
+        client, metrics = FakeEngineClient(num_tokens=4), ServerMetrics()
+        state = GenerationState()
+        _, rest = await first_then_rest(generate(
+            client, Tokenizer(), "r2", [1, 2, 3], SamplingParams(max_tokens=4), metrics, state))
+        updates = [update async for update in rest]
+        return client, metrics, state, updates
+
+    client, metrics, state, updates = asyncio.run(scenario())
+    assert [u.finish_reason for u in updates] == [None, None, None, "length"]
+    assert state.num_output_tokens == 4
+    assert [type(c) for c in client.commands] == [AddRequest]
+    assert requests_counted(metrics, "finished") == 1
+    assert requests_counted(metrics, "abort") == 0
