@@ -53,6 +53,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                             help="tokens per engine step (default: the engine's)")
     muse_group.add_argument("--enforce-eager", action="store_true",
                             help="no CUDA graphs (where the engine has them)")
+    muse_group.add_argument("--disable-overlap-schedule", action="store_true",
+                            help="read each step back before launching the next")
     muse_group.add_argument("--detokenize", action="store_true",
                             help="keep muse's per-step detokenizer (off: ids in, ids out)")
     hf = parser.add_argument_group("transformers")

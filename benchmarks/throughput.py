@@ -121,7 +121,8 @@ def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: 
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager,
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        overlap_schedule=not args.disable_overlap_schedule)
 
     def generate(batch: list[Request]) -> tuple[float, int]:
         prompts = [{"prompt_token_ids": p} for p, _ in batch]

@@ -48,7 +48,8 @@ DEFAULT_MODEL = default_model()
 
 def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-            "seed": args.seed, "enforce_eager": args.enforce_eager}
+            "seed": args.seed, "enforce_eager": args.enforce_eager,
+            "overlap_schedule": not args.disable_overlap_schedule}
 
 
 def _sampling(args: argparse.Namespace):
@@ -128,6 +129,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampling-seed", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs for decode batches)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="read each step back before launching the next (by default the "
+                             "next step is launched first, so host work overlaps the GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

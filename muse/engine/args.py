@@ -25,6 +25,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     init_std: float | None = None  # weight scale of a preset's random weights
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
+    # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
+    overlap_schedule: bool = True
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

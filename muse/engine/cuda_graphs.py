@@ -19,6 +19,7 @@ import time
 import torch
 
 from muse.engine.metadata import BatchMetadata, HostBatch, KindMetadata
+from muse.engine.transfer import to_device
 
 logger = logging.getLogger("muse")
 
@@ -42,14 +43,17 @@ class DecodeGraphs:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.long, device=device)
 
-        self.input_ids = zeros(size)
-        self.positions = zeros(size)
-        self.seq_lens = zeros(size) + 1
+        # The per-request inputs are rows of one tensor, so a step fills them in one copy.
+        kinds = list(table_widths)
+        self.rows = zeros(3 + 2 * len(kinds), size)
+        self.input_ids, self.positions, self.seq_lens = self.rows[0], self.rows[1], self.rows[2]
+        self.seq_lens.fill_(1)
+        self.slots = {kind: self.rows[3 + 2 * i] for i, kind in enumerate(kinds)}
+        self.first_blocks = {kind: self.rows[4 + 2 * i] for i, kind in enumerate(kinds)}
         self.token_request = torch.arange(size, device=device)
         self.query_start = torch.arange(size + 1, device=device)
-        self.slots = {kind: zeros(size) for kind in table_widths}
         self.tables = {kind: zeros(size, width) for kind, width in table_widths.items()}
-        self.first_blocks = {kind: zeros(size) for kind in table_widths}
+        self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 
@@ -94,32 +98,29 @@ class DecodeGraphs:
         count = batch.num_requests
         size = next(s for s in self.buckets if s >= count)
         pad = [0] * (size - count)
-
-        def put(buffer: torch.Tensor, values: list) -> None:
-            buffer[:len(values)].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
-
-        put(self.input_ids, batch.input_ids + pad)
-        put(self.positions, batch.positions + pad)
-        put(self.seq_lens, batch.seq_lens + [1] * len(pad))
-        for kind, table in self.tables.items():
-            put(self.slots[kind], batch.slots[kind] + pad)
-            put(self.first_blocks[kind], batch.first_blocks[kind] + pad)
-            # Only the columns this step uses are rewritten: entries past a request's length
-            # are masked by position, so stale block ids there are never read.
-            width = batch.table_width(kind)
-            rows = [t + [0] * (width - len(t)) for t in batch.tables[kind]]
-            rows += [[0] * width] * len(pad)
-            table[:size, :width].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+        rows = [batch.input_ids + pad, batch.positions + pad, batch.seq_lens + [1] * len(pad)]
+        for kind in self.slots:
+            rows += [batch.slots[kind] + pad, batch.first_blocks[kind] + pad]
+        # Only the table columns this step uses are rewritten: entries past a request's length
+        # are masked by position, so stale block ids there are never read.
+        widths = {kind: batch.table_width(kind) for kind in self.tables}
+        tables = [value for kind, width in widths.items()
+                  for table in batch.tables[kind] + [[]] * len(pad)
+                  for value in table + [0] * (width - len(table))]
+        staged = to_device([value for row in rows for value in row] + tables, self.device)
+        self.rows[:, :size].copy_(staged[:len(rows) * size].view(len(rows), size))
+        offset = len(rows) * size
+        for kind, width in widths.items():
+            self.tables[kind][:size, :width].copy_(
+                staged[offset:offset + size * width].view(size, width))
+            offset += size * width
         return size
 
-    def run(self, batch: HostBatch) -> torch.Tensor | None:
-        """Hidden states [requests, hidden] of a decode step, or None when not covered.
+    def replay(self, size: int, count: int) -> torch.Tensor:
+        """Hidden states [count, hidden] of the step `prepare` filled the buffers for.
 
         The result is a view of the graph's output, valid until the next replay."""
-        size = self.prepare(batch)
-        if size is None:
-            return None
         graph, hidden = self.graphs[size]
         graph.replay()
         self.replays += 1
-        return hidden[:batch.num_requests]
+        return hidden[:count]

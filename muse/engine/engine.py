@@ -13,9 +13,9 @@ from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
-from muse.engine.runner import ModelRunner, allocate_kv_caches
+from muse.engine.runner import LaunchedStep, ModelRunner, allocate_kv_caches
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
-from muse.engine.scheduler import Scheduler
+from muse.engine.scheduler import ScheduledRequest, Scheduler
 from muse.model.decoder import EngineModel
 from muse.presets import PRESETS, get_preset
 from muse.reference.model import init_weights, init_weights_on_device
@@ -103,6 +103,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
+        self.in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         sizes = block_bytes(self.config, args.block_size, self.dtype)
         logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
@@ -211,34 +212,61 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests that produced output or finished."""
+        """Run one scheduled step; returns the requests that produced output or finished.
+
+        With the overlapped schedule the step is launched before the previous one is read
+        back, so the host's bookkeeping runs while the device computes, and the requests
+        returned are those of the previous step."""
+        previous, self.in_flight = self.in_flight, None
         output = self.scheduler.schedule()
-        if not output.scheduled:
-            return []
-        result = self.runner.execute(output.scheduled)
+        launched = self._launch(output.scheduled, previous) if output.scheduled else None
+        changed = self._resolve(previous) if previous is not None else []
+        if launched is not None:
+            if self.args.overlap_schedule and not any(
+                    r.needs_token_values for r in launched.sampled):
+                self.in_flight = launched
+            else:
+                changed += self._resolve(launched)
+        return changed
+
+    def _launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None
+                ) -> LaunchedStep:
+        step = self.runner.launch(scheduled, previous)
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request in step.sampled:
+            request.add_pending_token(self.max_model_len)
+            if request.request_id in self.pending_siblings:
+                # The prompt's KV is queued on the device, ahead of anything a sibling runs.
+                self._fork_siblings(request)
+        return step
+
+    def _resolve(self, step: LaunchedStep) -> list[Request]:
+        """Read a launched step's tokens back and apply them to its requests."""
+        tokens = dict(zip(step.sampled, step.token_values()))
+        logprobs = dict(zip(step.sampled, step.logprobs))
         changed = []
-        for item in output.scheduled:
+        for item, start in zip(step.scheduled, step.starts):
             request = item.request
-            start = request.num_computed_tokens
-            request.num_computed_tokens += item.num_new_tokens
-            if request.request_id in result.prompt_logprobs:
+            if request.is_finished:
+                continue  # aborted, or ended by the step before while this one ran
+            if request.request_id in step.prompt_logprobs:
                 # Entry i is for prompt token i (the first has none). A request recomputed
                 # after preemption already holds the entries of its earlier chunks.
                 if not request.prompt_logprobs:
                     request.prompt_logprobs.append(None)
-                entries = result.prompt_logprobs[request.request_id]
+                entries = step.prompt_logprobs[request.request_id]
                 known = len(request.prompt_logprobs) - (start + 1)
                 request.prompt_logprobs.extend(entries[max(known, 0):])
-            if request.request_id not in result.tokens:
+            if request not in tokens:
                 self.kv_cache.on_computed(request)
                 continue
-            if request.request_id in self.pending_siblings:
-                self._fork_siblings(request)
-            self.kv_cache.on_computed(request)
-            token = result.tokens[request.request_id]
+            token = tokens[request]
             if request.grammar is not None:
                 request.grammar.accept_token(token)
-            request.append_token(token, result.logprobs[request.request_id])
+            request.append_token(token, logprobs[request])
+            # After the append: the step launched since may already count this token computed.
+            self.kv_cache.on_computed(request)
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED, reason)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from muse.engine.transfer import to_device
+
 
 @dataclass
 class KindMetadata:
@@ -70,18 +72,23 @@ class HostBatch:
 
     def to_device(self, device: torch.device, block_size: int
                   ) -> tuple[torch.Tensor, BatchMetadata]:
-        """input_ids and metadata as tensors, block tables padded with the null block."""
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
+        """input_ids and metadata as tensors (views of one copy), block tables padded with the
+        null block."""
+        parts = [self.input_ids, self.positions, self.token_request, self.query_start,
+                 self.seq_lens]
+        widths = {kind: self.table_width(kind) for kind in self.kinds}
+        for kind, width in widths.items():
+            padded = [v for table in self.tables[kind] for v in table + [0] * (width - len(table))]
+            parts += [self.slots[kind], self.first_blocks[kind], padded]
+        pieces = to_device([v for part in parts for v in part], device).split(
+            [len(part) for part in parts])
+        input_ids, positions, token_request, query_start, seq_lens = pieces[:5]
         kinds = {}
-        for kind in self.kinds:
-            width = self.table_width(kind)
-            padded = [t + [0] * (width - len(t)) for t in self.tables[kind]]
-            kinds[kind] = KindMetadata(tensor(self.slots[kind]), tensor(padded),
-                                       tensor(self.first_blocks[kind]))
+        for i, (kind, width) in enumerate(widths.items()):
+            slots, first_blocks, tables = pieces[5 + 3 * i:8 + 3 * i]
+            kinds[kind] = KindMetadata(slots, tables.view(self.num_requests, width), first_blocks)
         meta = BatchMetadata(
-            positions=tensor(self.positions), token_request=tensor(self.token_request),
-            query_start=tensor(self.query_start), seq_lens=tensor(self.seq_lens),
-            max_query_len=self.max_query_len, kinds=kinds, block_size=block_size)
-        return tensor(self.input_ids), meta
+            positions=positions, token_request=token_request, query_start=query_start,
+            seq_lens=seq_lens, max_query_len=self.max_query_len, kinds=kinds,
+            block_size=block_size)
+        return input_ids, meta

@@ -2,6 +2,8 @@
 
 Two counters drive everything: `num_tokens` (known) and `num_computed_tokens` (whose KV is in
 the cache). Prefill, chunked prefill, prefix-cache hits and decode all just advance the second.
+With the overlapped schedule a token can be known only by count for one step: sampled by the
+step still running on the device, its value is read back after the next step is launched.
 """
 
 from __future__ import annotations
@@ -58,13 +60,23 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
     grammar: Any = None  # xgrammar matcher when the output is constrained
+    # Output tokens sampled by steps whose results are not read back yet: counted in
+    # `num_tokens`, not yet in `output_token_ids` (two for a moment: the engine launches a
+    # step before it reads back the one before).
+    num_pending_tokens: int = 0
+    # A pending token ends the request by length whatever its value: nothing to schedule.
+    final_token_pending: bool = False
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without copying the whole sequence (a
-        step reads a few tokens of sequences that can be a million long)."""
+        step reads a few tokens of sequences that can be a million long). A pending token
+        reads as 0: the runner fills its value in on the device."""
+        known = self.num_tokens - self.num_pending_tokens
+        if end > known:
+            return self.token_ids(start, known) + [0] * (end - max(start, known))
         prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
         if end <= num_prompt:
             return prompt[start:end]
@@ -74,7 +86,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,14 +104,29 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 
+    @property
+    def needs_token_values(self) -> bool:
+        """Sampling its next token reads the values of its earlier ones (grammar state,
+        repetition penalties), so its step must be read back before the next is launched."""
+        params = self.params
+        return (self.grammar is not None or params.repetition_penalty != 1.0
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
+
+    def add_pending_token(self, max_model_len: int) -> None:
+        """Count a token the device sampled whose value is not read back yet."""
+        self.num_pending_tokens += 1
+        self.final_token_pending = self._length_reached(self.num_output_tokens, max_model_len)
+
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
             self.cumulative_logprob += logprobs.logprob
 
     def check_stop(self, max_model_len: int) -> str | None:
-        """The finish reason after the latest token, or None to keep going."""
+        """The finish reason after the latest token read back, or None to keep going."""
         last = self.output_token_ids[-1]
         num_output = len(self.output_token_ids)
         if num_output >= self.params.min_tokens:
@@ -103,8 +134,9 @@ class Request:
                 return "stop"
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 return "stop"
-        if self.params.max_tokens is not None and num_output >= self.params.max_tokens:
-            return "length"
-        if self.num_tokens >= max_model_len:
-            return "length"
-        return None
+        return "length" if self._length_reached(num_output, max_model_len) else None
+
+    def _length_reached(self, num_output: int, max_model_len: int) -> bool:
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is not None and num_output >= max_tokens)
+                or self.num_prompt_tokens + num_output >= max_model_len)

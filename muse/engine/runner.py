@@ -10,19 +10,30 @@ from muse.config import TextConfig
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.metadata import HostBatch
-from muse.engine.request import TokenLogprobs
-from muse.engine.sampler import SamplingRow, prompt_logprobs, sample
+from muse.engine.request import Request, TokenLogprobs
+from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
+from muse.engine.transfer import HostCopy, to_device
 from muse.model.decoder import EngineModel
 
 
 @dataclass
-class StepResult:
-    # request_id -> sampled token (only requests that reached the end of their known tokens)
-    tokens: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+class LaunchedStep:
+    """A step whose kernels are queued on the device. Its sampled tokens stay there, feeding
+    the next step's inputs, until `token_values` reads them back (which waits for the step).
+    """
+
+    scheduled: list[ScheduledRequest]
+    starts: list[int]  # each request's num_computed_tokens before the step
+    sampled: list[Request]  # requests that sample a token this step, in row order
+    tokens: torch.Tensor | None = None  # [len(sampled)] on the device
+    tokens_on_host: HostCopy | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # request_id -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    def token_values(self) -> list[int]:
+        return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
 
 
 def allocate_kv_caches(config: TextConfig, num_blocks: dict[str, int], block_size: int,
@@ -70,20 +81,59 @@ class ModelRunner:
                 batch.tables[kind].append(table[first:-(-end // block_size)])
         return batch
 
-    def _forward(self, batch: HostBatch) -> torch.Tensor:
+    @staticmethod
+    def _pending_inputs(scheduled: list[ScheduledRequest], previous: LaunchedStep | None
+                        ) -> tuple[list[int], list[int]]:
+        """(input index, row of `previous.tokens`) of every input token still on the device.
+
+        A pending token is its request's last, and the one token a decode step feeds in."""
+        if previous is None:
+            return [], []
+        rows = {request: row for row, request in enumerate(previous.sampled)}
+        targets, sources = [], []
+        offset = 0
+        for item in scheduled:
+            offset += item.num_new_tokens
+            if item.request.num_pending_tokens:
+                targets.append(offset - 1)
+                sources.append(rows[item.request])
+        return targets, sources
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: tuple[list[int], list[int]],
+                      previous: LaunchedStep | None) -> None:
+        """Write the previous step's sampled tokens into this step's input ids, on the device."""
+        targets, sources = pending
+        if not targets:
+            return
+        if targets == sources == list(range(len(targets))):
+            # Steady decoding: the same requests in the same order, no index tensors needed.
+            input_ids[:len(targets)].copy_(previous.tokens[:len(targets)])
+            return
+        index = to_device([targets, sources], self.device)
+        input_ids.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
+
+    def _forward(self, batch: HostBatch, pending: tuple[list[int], list[int]],
+                 previous: LaunchedStep | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits."""
         if self.decode_graphs is not None:
-            hidden = self.decode_graphs.run(batch)
-            if hidden is not None:
-                return hidden
+            size = self.decode_graphs.prepare(batch)
+            if size is not None:
+                self._fill_pending(self.decode_graphs.input_ids, pending, previous)
+                return self.decode_graphs.replay(size, batch.num_requests)
         input_ids, meta = batch.to_device(self.device, self.block_size)
+        self._fill_pending(input_ids, pending, previous)
         return self.model(input_ids, meta, self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
-        hidden = self._forward(self._host_batch(scheduled))
-        result = StepResult()
-        sample_rows, sample_ids, sample_index = [], [], []
+    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None
+               ) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device.
+
+        Input tokens of `previous` not read back yet are taken from its device tensor."""
+        hidden = self._forward(self._host_batch(scheduled),
+                               self._pending_inputs(scheduled, previous), previous)
+        step = LaunchedStep(scheduled, [s.request.num_computed_tokens for s in scheduled], [])
+        sample_rows, sample_index = [], []
         offset = 0
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -93,21 +143,21 @@ class ModelRunner:
                 # Positions start..end-1 predict the prompt tokens start+1..end.
                 stop = min(end, request.num_prompt_tokens - 1)
                 logits = self.model.compute_logits(hidden[offset:offset + stop - start])
-                targets = torch.tensor(request.prompt_token_ids[start + 1:stop + 1],
-                                       device=self.device)
-                result.prompt_logprobs[request.request_id] = prompt_logprobs(
+                targets = to_device(request.prompt_token_ids[start + 1:stop + 1], self.device)
+                step.prompt_logprobs[request.request_id] = prompt_logprobs(
                     logits, targets, request.params.prompt_logprobs)
             if end == request.num_tokens:
                 sample_index.append(last)
-                sample_ids.append(request.request_id)
+                step.sampled.append(request)
                 sample_rows.append(SamplingRow(request.params, request.prompt_token_ids,
                                                request.output_token_ids, request.eos_token_ids,
-                                               request.generator, request.grammar))
+                                               request.generator, request.grammar,
+                                               request.num_pending_tokens))
             offset += item.num_new_tokens
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_index,
-                                                                   device=self.device)])
-            tokens, logprobs = sample(logits, sample_rows, self.grammar_compiler)
-            result.tokens = dict(zip(sample_ids, tokens))
-            result.logprobs = dict(zip(sample_ids, logprobs))
-        return result
+            if sample_index != list(range(hidden.shape[0])):
+                hidden = hidden[to_device(sample_index, self.device)]
+            step.tokens, step.logprobs = sample_on_device(self.model.compute_logits(hidden),
+                                                          sample_rows, self.grammar_compiler)
+            step.tokens_on_host = HostCopy(step.tokens)
+        return step

@@ -22,6 +22,7 @@ import torch
 
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
+from muse.engine.transfer import to_device
 from muse.kernels.sampling import top_k_top_p_filter
 
 
@@ -33,13 +34,14 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
     grammar: Any = None
+    num_pending_tokens: int = 0  # sampled by the step in flight, not in output_token_ids yet
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab, device=device)
     for i, tokens in enumerate(rows):
         if tokens:
-            ids = torch.tensor(tokens, device=device)
+            ids = to_device(tokens, device)
             counts[i].index_add_(0, ids, torch.ones(len(tokens), device=device))
     return counts
 
@@ -51,28 +53,31 @@ def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
     for i, row in enumerate(rows):
         params = row.params
         if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), device=device)
-            logits[i, ids] += torch.tensor(list(params.logit_bias.values()), device=device)
-        if len(row.output_token_ids) < params.min_tokens:
+            ids = to_device(list(params.logit_bias), device)
+            logits[i, ids] += to_device(list(params.logit_bias.values()), device, logits.dtype)
+        if len(row.output_token_ids) + row.num_pending_tokens < params.min_tokens:
             stops = list(params.stop_token_ids)
             if not params.ignore_eos:
                 stops += list(row.eos_token_ids)
             if stops:
-                logits[i, torch.tensor(stops, device=device)] = float("-inf")
+                logits[i, to_device(stops, device)] = float("-inf")
     wants_repetition = [r.params.repetition_penalty != 1.0 for r in rows]
     wants_output = [r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
                     for r in rows]
     if any(wants_repetition):
         seen = _token_counts([r.prompt_token_ids + r.output_token_ids if want else []
                               for r, want in zip(rows, wants_repetition)], vocab, device) > 0
-        penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+        penalty = to_device([r.params.repetition_penalty for r in rows], device,
+                            logits.dtype)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if any(wants_output):
         counts = _token_counts([r.output_token_ids if want else []
                                 for r, want in zip(rows, wants_output)], vocab, device)
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+        presence = to_device([r.params.presence_penalty for r in rows], device,
+                             logits.dtype)[:, None]
+        frequency = to_device([r.params.frequency_penalty for r in rows], device,
+                              logits.dtype)[:, None]
         logits = logits - presence * (counts > 0) - frequency * counts
     return logits
 
@@ -102,7 +107,7 @@ class RowParameters:
                  for r in rows]
         # float32 holds every top_k exactly (capped at the vocabulary, far below 2**24) and
         # keeps the float parameters at the precision the per-parameter tensors had.
-        packed = torch.tensor(table, dtype=torch.float32).to(device, non_blocking=True)
+        packed = to_device(table, device, torch.float32)
         return cls(temperature=packed[:, 0], top_k=packed[:, 1].long(), top_p=packed[:, 2],
                    min_p=packed[:, 3], greedy=packed[:, 4] > 0,
                    # A top_k of the whole vocabulary cuts nothing; topk need not go that far.
@@ -145,6 +150,15 @@ def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int,
 def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar_compiler: Any = None
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (float32)."""
+    tokens, logprobs = sample_on_device(logits, rows, grammar_compiler)
+    return tokens.tolist(), logprobs
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], grammar_compiler: Any = None
+                     ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """`sample`, with the tokens left on the device: reading them back waits for the step,
+    so a caller that overlaps the host with the device reads them later. Only logprobs,
+    when asked for, wait here."""
     device = logits.device
     processed = apply_logit_processing(logits, rows)
     if grammar_compiler is not None:
@@ -162,7 +176,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar_compiler: Any 
         for i, row in enumerate(rows):
             if row.params.logprobs is not None:
                 logprobs[i] = _logprobs(raw, tokens, row.params.logprobs, i)
-    return tokens.tolist(), logprobs
+    return tokens, logprobs
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor,

@@ -75,6 +75,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.final_token_pending:
+                index += 1  # it ends when the step in flight is read back
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]

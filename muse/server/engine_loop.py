@@ -72,7 +72,7 @@ class EngineLoop:
         if request.is_finished:
             self.reported.pop(request.request_id, None)
         else:
-            self.reported[request.request_id] = request.num_tokens - request.num_prompt_tokens
+            self.reported[request.request_id] = len(request.output_token_ids)
         return SampleDelta(
             request_id=request.group_id, index=request.sample_index,
             token_ids=request.output_token_ids[sent:],

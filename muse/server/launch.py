@@ -33,6 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs for decode batches)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="read each step back before launching the next (by default the "
+                             "next step is launched first, so host work overlaps the GPU)")
     parser.add_argument("--reasoning-parser", choices=["muse"], default=None)
     parser.add_argument("--tool-call-parser", choices=["muse"], default=None)
     parser.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -51,7 +54,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        overlap_schedule=not args.disable_overlap_schedule)
 
 
 def build_from_args(args: argparse.Namespace):

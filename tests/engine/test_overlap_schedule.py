@@ -1,0 +1,104 @@
+"""The overlapped schedule (step n+1 launched before step n is read back) changes nothing a
+request sees: the same tokens, logprobs and finish reasons as running steps one at a time."""
+
+import random
+
+import pytest
+
+from muse import LLM, SamplingParams
+from tests.conftest import DEVICE
+
+
+def tiny_llm(**engine_args) -> LLM:
+    return LLM("muse-spark-tiny", init_std=0.1, device=DEVICE, dtype="float32",
+               kv_cache_memory_bytes=32 * 2**20, **engine_args)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 8192) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    return {overlap: tiny_llm(overlap_schedule=overlap, max_num_batched_tokens=40)
+            for overlap in (True, False)}
+
+
+def outcome(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    results = []
+    for output in llm.generate(prompts, params):
+        for sample in output.outputs:
+            logprobs = [(e.token_id, round(e.logprob, 4)) for e in sample.logprobs or []]
+            results.append((sample.token_ids, sample.finish_reason, logprobs))
+    return results
+
+
+def test_overlapped_and_one_at_a_time_schedules_agree(engines):
+    prompts = [random_prompt(length, seed) for seed, length in
+               enumerate([5, 17, 33, 64, 90, 12, 48, 3, 71])]
+    # A stop token the greedy run of prompt 1 meets at its 5th token ends it mid-batch.
+    probe = engines[False].generate([prompts[1]], SamplingParams(temperature=0.0,
+                                                                 max_tokens=8))
+    stop_token = probe[0].outputs[0].token_ids[4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=15, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, n=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=11, logprobs=2, ignore_eos=True),
+        # Its steps are read back before the next launch: a penalty needs the tokens.
+        SamplingParams(temperature=0.0, max_tokens=7, repetition_penalty=1.3,
+                       ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=5, min_tokens=5, ignore_eos=False),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+    ]
+    overlapped = outcome(engines[True], prompts, params)
+    one_at_a_time = outcome(engines[False], prompts, params)
+    assert overlapped == one_at_a_time
+    assert overlapped[1][1] == "stop" and len(overlapped[1][0]) == 5
+    for engine in engines.values():
+        assert not engine.engine.has_unfinished()
+        assert sum(p.num_used for p in engine.engine.kv_cache.pools.values()) == 0
+
+
+def test_a_decode_step_is_read_back_after_the_next_launch(engines):
+    engine = engines[True].engine
+    request, = engine.add_request("plain", random_prompt(20, 1),
+                                  SamplingParams(temperature=0.0, max_tokens=4,
+                                                 ignore_eos=True))
+    assert engine.step() == []  # the prefill runs; its token is not read back yet
+    assert engine.in_flight is not None
+    assert (request.num_output_tokens, request.output_token_ids) == (1, [])
+    assert engine.step() == [request]  # launches the second token, reads the first
+    assert (request.num_output_tokens, len(request.output_token_ids)) == (2, 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(request.output_token_ids) == 4 and request.finish_reason == "length"
+
+
+def test_a_request_that_needs_its_tokens_is_read_back_at_once(engines):
+    engine = engines[True].engine
+    request, = engine.add_request("penalized", random_prompt(20, 2),
+                                  SamplingParams(temperature=0.0, max_tokens=3,
+                                                 presence_penalty=0.5, ignore_eos=True))
+    assert engine.step() == [request]
+    assert engine.in_flight is None and len(request.output_token_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert len(request.output_token_ids) == 3
+
+
+def test_no_step_is_launched_past_the_length_limit(engines):
+    engine = engines[True].engine
+    request, = engine.add_request("short", random_prompt(20, 3),
+                                  SamplingParams(temperature=0.0, max_tokens=2,
+                                                 ignore_eos=True))
+    engine.step()
+    engine.step()  # launches the second and last token
+    assert request.final_token_pending
+    computed = request.num_computed_tokens
+    assert engine.step() == [request]  # nothing launched: only the read back
+    assert request.num_computed_tokens == computed
+    assert request.finish_reason == "length" and len(request.output_token_ids) == 2
