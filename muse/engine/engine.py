@@ -227,7 +227,7 @@ class EngineCore:
                 self.in_flight = launched
             else:
                 changed += self._resolve(launched)
-        return changed
+        return list(dict.fromkeys(changed))  # a request in both steps is reported once
 
     def _launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None
                 ) -> LaunchedStep:

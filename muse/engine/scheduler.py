@@ -59,6 +59,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status, request.finish_reason = status, reason
+        request.num_pending_tokens = 0  # a step in flight computed past the end: discarded
         self.kv_cache.free(request)
 
     def _preempt(self, request: Request) -> None:

@@ -14,10 +14,9 @@ import torch
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long
               ) -> torch.Tensor:
     """`values` (a list, or a list of equal-length lists) as a tensor on `device`."""
-    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class HostCopy:
@@ -33,7 +32,7 @@ class HostCopy:
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self.host.copy_(tensor, non_blocking=True)
         self.ready = torch.cuda.Event()
-        self.ready.record()
+        self.ready.record(torch.cuda.current_stream(tensor.device))
 
     def tolist(self) -> list:
         if self.ready is not None:

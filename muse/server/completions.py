@@ -85,11 +85,13 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
     async def pump(p: int) -> None:
         try:
             async for update in streams[p]:
-                await queue.put((p, update))
+                # The usage as of this update: by the time the chunk is written, the other
+                # pumps (or this one) may have counted later tokens.
+                await queue.put((p, update, _usage(states) if continuous_usage else None))
         except EngineDeadError as error:
-            await queue.put((p, error))
+            await queue.put((p, error, None))
         finally:
-            await queue.put((p, None))
+            await queue.put((p, None, None))
 
     tasks = [asyncio.create_task(pump(p)) for p in range(len(streams))]
     echoed: set[tuple[int, int]] = set()
@@ -97,7 +99,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
     remaining = len(streams)
     try:
         while remaining:
-            p, update = await queue.get()
+            p, update, usage_then = await queue.get()
             if update is None:
                 remaining -= 1
                 continue
@@ -117,7 +119,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
             yield sse({**head, "object": "text_completion", "choices": [{
                 "index": p * n + update.index, "text": text, "logprobs": logprobs,
                 "finish_reason": update.finish_reason, "stop_reason": update.stop_reason}],
-                **({"usage": _usage(states)} if continuous_usage else {})})
+                **({"usage": usage_then} if continuous_usage else {})})
         if include_usage:
             yield sse({**head, "object": "text_completion", "choices": [],
                        "usage": _usage(states)})

@@ -102,3 +102,20 @@ def test_no_step_is_launched_past_the_length_limit(engines):
     assert engine.step() == [request]  # nothing launched: only the read back
     assert request.num_computed_tokens == computed
     assert request.finish_reason == "length" and len(request.output_token_ids) == 2
+
+
+def test_a_request_in_both_steps_read_back_is_reported_once(engines):
+    """A step read back at once (a penalized request joins) right after the one in flight:
+    the requests of both come back once each, with both their tokens."""
+    engine = engines[True].engine
+    plain, = engine.add_request("plain-2", random_prompt(20, 4), SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.step()  # plain's prefill, in flight
+    penalized, = engine.add_request("penalized-2", random_prompt(8, 5), SamplingParams(
+        temperature=0.0, max_tokens=6, frequency_penalty=0.5, ignore_eos=True))
+    changed = engine.step()  # plain decodes with penalized's prefill: read back at once
+    assert engine.in_flight is None
+    assert sorted(r.request_id for r in changed) == ["penalized-2", "plain-2"]
+    assert len(plain.output_token_ids) == 2 and len(penalized.output_token_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
