@@ -1,4 +1,4 @@
-"""Shared pieces of the engine tests: a reference greedy decoder and prompt sets."""
+"""Shared pieces of the engine tests: a tiny engine, a reference greedy decoder, prompt sets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,22 @@ import random
 
 import torch
 
+from muse import LLM
 from muse.reference.model import MuseForCausalLM
+from tests.conftest import DEVICE
+
+
+def tiny_llm(**engine_args) -> LLM:
+    """The tiny preset in float32 on the test device."""
+    # An explicit KV budget: on a GPU the default takes most of the free memory, which would
+    # leave nothing for the next engine a test builds.
+    engine_args.setdefault("kv_cache_memory_bytes", 32 * 2**20)
+    return LLM("muse-spark-tiny", init_std=0.1, device=DEVICE, dtype="float32", **engine_args)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 8192) for _ in range(length)]
 
 
 def reference_from_engine(engine) -> MuseForCausalLM:

@@ -1,6 +1,5 @@
 """Requests through `muse.LLM` and the engine core: admission, n > 1, stopping, logprobs, aborts."""
 
-import random
 
 import pytest
 import torch
@@ -11,27 +10,14 @@ from muse.engine.kv_budget import block_bytes
 from muse.engine.request import RequestStatus
 from muse.engine.sampling_params import InvalidRequestError
 from muse.presets import get_preset
-from tests.conftest import DEVICE
-from tests.engine.helpers import reference_from_engine
+from tests.engine.helpers import random_prompt, reference_from_engine, tiny_llm
 
 EOS = 2
-
-
-def tiny_llm(**engine_args) -> LLM:
-    # An explicit KV budget: on a GPU the default takes most of the free memory, which would
-    # leave nothing for the next engine a test builds.
-    engine_args.setdefault("kv_cache_memory_bytes", 32 * 2**20)
-    return LLM("muse-spark-tiny", init_std=0.1, device=DEVICE, dtype="float32", **engine_args)
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return tiny_llm()
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32, 8192) for _ in range(length)]
 
 
 def greedy(max_tokens: int | None, **extra) -> SamplingParams:

@@ -1,19 +1,18 @@
 """Block pools, the prefix cache's reuse rule for sliding layers, and block accounting in a run."""
 
 import itertools
-import random
 from collections import Counter
 
 import pytest
 import torch
 
-from muse import LLM, SamplingParams
+from muse import SamplingParams
 from muse.config import FULL, SLIDING
 from muse.engine.kv_budget import block_bytes
 from muse.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager
 from muse.engine.request import Request, RequestStatus
 from muse.presets import get_preset
-from tests.conftest import DEVICE
+from tests.engine.helpers import random_prompt, tiny_llm
 
 BLOCK = 4
 # 33 tokens: 8 full blocks, and a reuse point of at most 32 (one token is left to compute).
@@ -282,18 +281,6 @@ def test_concurrent_duplicates_keep_the_first_copy_cached():
 
 
 # ---- through the engine ----------------------------------------------------------------------
-def tiny_llm(**engine_args) -> LLM:
-    # An explicit KV budget: on a GPU the default takes most of the free memory, which would
-    # leave nothing for the next engine a test builds.
-    engine_args.setdefault("kv_cache_memory_bytes", 32 * 2**20)
-    return LLM("muse-spark-tiny", init_std=0.1, device=DEVICE, dtype="float32", **engine_args)
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32, 8192) for _ in range(length)]
-
-
 def test_hit_rate_counters():
     llm = tiny_llm()
     stats = llm.engine.kv_cache.stats

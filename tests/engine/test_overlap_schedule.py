@@ -1,22 +1,11 @@
 """The overlapped schedule (step n+1 launched before step n is read back) changes nothing a
 request sees: the same tokens, logprobs and finish reasons as running steps one at a time."""
 
-import random
 
 import pytest
 
 from muse import LLM, SamplingParams
-from tests.conftest import DEVICE
-
-
-def tiny_llm(**engine_args) -> LLM:
-    return LLM("muse-spark-tiny", init_std=0.1, device=DEVICE, dtype="float32",
-               kv_cache_memory_bytes=32 * 2**20, **engine_args)
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32, 8192) for _ in range(length)]
+from tests.engine.helpers import random_prompt, tiny_llm
 
 
 @pytest.fixture(scope="module")
