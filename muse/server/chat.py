@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from muse.server.engine_client import EngineClient, EngineDeadError
 from muse.server.generation import GenerationState, generate
 from muse.server.metrics import ServerMetrics
 from muse.server.parsers.chat_output import ChatOutputParser, DeltaMessage
 from muse.server.protocol import ChatCompletionRequest
-from muse.server.responses import chat_logprobs, first_then_rest, now, sse, stream_error, usage
+from muse.server.responses import (ClosingStreamingResponse, chat_logprobs, first_then_rest,
+                                   now, sse, stream_error, usage)
 from muse.server.serving import CHAT_HIDDEN_TOKEN_IDS, ChatPlan, ServerOptions
 
 
@@ -47,8 +48,9 @@ async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client
                for _ in range(plan.params.n)]
     head = {"id": request_id, "created": now(), "model": options.served_model_name}
     if request.stream:
-        return StreamingResponse(_stream(request, plan, updates, parsers, tokenizer, state, head),
-                                 media_type="text/event-stream")
+        return ClosingStreamingResponse(
+            _stream(request, plan, updates, parsers, tokenizer, state, head),
+            media_type="text/event-stream")
     logprobs: dict[int, list] = {i: [] for i in range(plan.params.n)}
     finish: dict[int, str | None] = {}
     async for update in updates:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from muse.engine.sampling_params import SamplingParams
 from muse.server.engine_client import EngineClient, EngineDeadError
@@ -14,6 +14,7 @@ from muse.server.generation import GenerationState, generate
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import CompletionRequest
 from muse.server.responses import (
+    ClosingStreamingResponse,
     completion_logprobs,
     first_then_rest,
     now,
@@ -47,8 +48,9 @@ async def completion(request: CompletionRequest, prompts: list[list[int]],
     echo_texts = [tokenizer.decode(p, skip_special_tokens=True) if request.echo else ""
                   for p in prompts]
     if request.stream:
-        return StreamingResponse(_stream(request, streams, states, echo_texts, tokenizer, head),
-                                 media_type="text/event-stream")
+        return ClosingStreamingResponse(
+            _stream(request, streams, states, echo_texts, tokenizer, head),
+            media_type="text/event-stream")
     finish: dict[tuple[int, int], Any] = {}
     logprobs: dict[tuple[int, int], list] = {}
 
@@ -125,5 +127,8 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
                        "usage": _usage(states)})
         yield sse("[DONE]")
     finally:
+        # A client that went away ends this stream early: the pumps' cancellation closes their
+        # update streams, which aborts the requests; wait for it so none is left half done.
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,6 +8,10 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Send
+
 from muse.engine.request import TokenLogprobs
 from muse.server.engine_client import EngineDeadError, RequestError
 from muse.server.errors import APIError, error_body
@@ -61,6 +65,23 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs | None],
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """An SSE response that closes its body generator however the response ends.
+
+    When the client goes away Starlette cancels the task writing the body, which can leave the
+    generator suspended at a `yield`: its cleanup (aborting the request in the engine, counting
+    it in the metrics) would then wait for the garbage collector. Closing it here, shielded from
+    that cancellation, runs the cleanup before the response returns.
+    """
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 async def first_then_rest(updates: AsyncIterator[SampleUpdate]

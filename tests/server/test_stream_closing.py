@@ -13,7 +13,7 @@ from muse.server.engine_client import EngineClient
 from muse.server.generation import GenerationState, generate
 from muse.server.messages import AbortRequest, AddRequest, SampleDelta
 from muse.server.metrics import ServerMetrics
-from muse.server.responses import first_then_rest
+from muse.server.responses import ClosingStreamingResponse, first_then_rest
 
 
 class FakeEngineClient(EngineClient):
@@ -80,3 +80,51 @@ def test_a_stream_read_to_the_end_counts_the_request_finished():
     assert [type(c) for c in client.commands] == [AddRequest]
     assert requests_counted(metrics, "finished") == 1
     assert requests_counted(metrics, "abort") == 0
+
+
+def disconnect_at_second_chunk():
+    """ASGI callables as uvicorn gives them (spec 2.3): the client leaves while the second
+    chunk of the body is being written, so Starlette cancels the writer in the middle of `send`."""
+    sent: list[bytes] = []
+    left = asyncio.Event()
+
+    async def receive():
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+            if len(sent) == 2:
+                left.set()
+                await asyncio.Event().wait()  # the socket never drains
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    return sent, receive, send, scope
+
+
+def test_a_client_leaving_mid_write_aborts_and_counts_the_request_before_the_response_ends():
+    async def scenario():
+        client, metrics = FakeEngineClient(num_tokens=10), ServerMetrics()
+        _, rest = await first_then_rest(generate(
+            client, Tokenizer(), "r3", [1, 2, 3], SamplingParams(max_tokens=10), metrics,
+            GenerationState()))
+
+        async def body():
+            try:
+                async for update in rest:
+                    yield update.text
+            finally:
+                await asyncio.sleep(0)  # cleanup that awaits, like the chat stream's
+                await rest.aclose()
+
+        response = ClosingStreamingResponse(body(), media_type="text/event-stream")
+        sent, receive, send, scope = disconnect_at_second_chunk()
+        await response(scope, receive, send)
+        assert len(sent) == 2
+        # The response still holds its body, so only an explicit close got here in time.
+        assert [type(c) for c in client.commands] == [AddRequest, AbortRequest]
+        assert requests_counted(metrics, "abort") == 1
+        assert requests_counted(metrics, "finished") == 0
+
+    asyncio.run(scenario())
