@@ -45,6 +45,7 @@ async def cancel_on_disconnect(request: Request, work):
     watcher.cancel()
     if task not in done:
         task.cancel()
+        await asyncio.wait({task})  # its cleanup aborts the generation and counts it
         return Response(status_code=499)
     return task.result()
 
