@@ -81,10 +81,10 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                 status = "finished"
                 break
     finally:
-        # Samples a stop string ended are still running in the engine: leaving the engine's
-        # stream (here or because the client went away) aborts them. Close it now rather than
-        # when it is garbage collected, so the abort and the metrics below are never late.
-        await deltas.aclose()
         metrics.prompt_tokens.inc(state.num_prompt_tokens)
         metrics.e2e_latency.observe(time.monotonic() - arrival)
         metrics.requests.labels(status=status).inc()
+        # Samples a stop string ended are still running in the engine: leaving the engine's
+        # stream (here or because the client went away) aborts them. Close it now rather than
+        # when it is garbage collected, so the abort is never late.
+        await deltas.aclose()
