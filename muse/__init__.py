@@ -1,4 +1,4 @@
-"""muse: inference, serving and RL training for the Muse Spark model family."""
+"""muse: inference and serving for the Muse Spark model family."""
 
 from __future__ import annotations
 
