@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
-from muse.engine.args import EngineArgs
-from muse.presets import default_model
-from muse.engine.engine import EngineCore
+from muse.chat_format import SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID
 from muse.detokenizer import IncrementalDetokenizer
+from muse.engine.args import EngineArgs
+from muse.engine.engine import EngineCore
 from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
 from muse.outputs import CompletionOutput, RequestOutput
+from muse.presets import default_model
+from muse.reasoning import split_reasoning
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Message = dict[str, Any]
+# True: a bar when stderr is a terminal; False: none; a tqdm-like factory: always, its way.
+ProgressOption = Union[bool, Callable[..., Any]]
+
+# A chat reply keeps its think tags through decoding so the reasoning can be split off; the
+# other special tokens stay hidden as `skip_special_tokens` asks.
+CHAT_HIDDEN_TOKEN_IDS = frozenset(range(len(SPECIAL_TOKENS))) - {THINK_START_ID, THINK_END_ID}
+
+
+@dataclass
+class _Group:
+    """One prompt's samples while the engine runs them."""
+
+    prompt: str | None
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    # Chat replies: whether the prompt left thinking on. None: a plain completion.
+    thinking: bool | None
 
 
 class LLM:
@@ -37,14 +58,23 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
-    def _completion(self, request: Request, detokenizer: IncrementalDetokenizer | None
-                    ) -> CompletionOutput:
+    def _detokenizer(self, params: SamplingParams, thinking: bool | None
+                     ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        hidden = CHAT_HIDDEN_TOKEN_IDS if thinking is not None and params.skip_special_tokens \
+            else None
+        return IncrementalDetokenizer(self.tokenizer, params, hidden)
+
+    def _completion(self, request: Request, detokenizer: IncrementalDetokenizer | None,
+                    thinking: bool | None) -> CompletionOutput:
         params = request.params
         finish_reason = request.finish_reason
         stop_reason: int | str | None = None
         stopped_by_token = finish_reason == "stop"
         if stopped_by_token:
             stop_reason = request.output_token_ids[-1]
+        text, reasoning = "", None
         if detokenizer is not None:
             new = request.output_token_ids[detokenizer.num_tokens_seen:]
             delta = detokenizer.update(new, finished=request.is_finished,
@@ -54,52 +84,68 @@ class LLM:
                 if not request.is_finished:
                     # A stop string ends this sample as if it were a stop token.
                     self.engine.finish_request(request, "stop")
+            # Only released text: the held-back tail may still turn out to start a stop
+            # string, so partial outputs are always a prefix of the final text.
+            text = detokenizer.text[:detokenizer.released]
+            if thinking is not None:
+                reasoning, text = split_reasoning(text, thinking)
         return CompletionOutput(
             index=request.sample_index,
-            text=detokenizer.text if detokenizer is not None else "",
+            text=text,
             token_ids=list(request.output_token_ids),
             cumulative_logprob=request.cumulative_logprob if params.logprobs is not None else None,
             logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
-            finish_reason=finish_reason, stop_reason=stop_reason)
+            finish_reason=finish_reason, stop_reason=stop_reason, reasoning_content=reasoning)
 
-    def _output(self, group_id: str, prompt: str | None, samples: list[Request],
-                detokenizers: list[IncrementalDetokenizer | None]) -> RequestOutput:
-        first = samples[0]
+    def _output(self, group_id: str, group: _Group) -> RequestOutput:
+        first = group.samples[0]
         return RequestOutput(
-            request_id=group_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=[self._completion(s, d) for s, d in zip(samples, detokenizers)],
+            request_id=group_id, prompt=group.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(s, d, group.thinking)
+                     for s, d in zip(group.samples, group.detokenizers)],
             prompt_logprobs=first.prompt_logprobs if first.wants_prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens)
 
     # ---- generation ----------------------------------------------------------------------
     def stream(self, prompts: PromptType | Sequence[PromptType],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
-        """Yield a request's cumulative output every time it grows, until all are finished."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int)):
-            prompts = [prompts]
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               *, delta: bool = False) -> Iterator[RequestOutput]:
+        """Yield a request's output every time it grows, until all are finished.
+
+        By default each output is cumulative: `outputs[i].text`, `token_ids` and `logprobs`
+        hold everything generated so far, and a request's last output equals what `generate`
+        returns. With `delta=True` they hold only what is new since that request's previous
+        output (`cumulative_logprob` stays cumulative), so printing each piece with
+        `end=""` prints the whole text once.
+        """
+        return self._stream(prompts, sampling_params, delta=delta, thinking=None)
+
+    def _stream(self, prompts: PromptType | Sequence[PromptType],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                delta: bool, thinking: bool | None) -> Iterator[RequestOutput]:
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        groups: dict[str, tuple[str | None, list[Request], list]] = {}
+        groups: dict[str, _Group] = {}
+        sent: dict[tuple[str, int], tuple[int, int]] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 text, ids = self._prompt_ids(prompt)
                 group_id = str(next(self._ids))
                 samples = self.engine.add_request(group_id, ids, params)
-                detokenizers = [IncrementalDetokenizer(self.tokenizer, params)
-                                if self.tokenizer is not None else None for _ in samples]
-                groups[group_id] = (text, samples, detokenizers)
+                groups[group_id] = _Group(text, samples,
+                                          [self._detokenizer(params, thinking) for _ in samples],
+                                          thinking)
             reported: set[str] = set()
             while len(reported) < len(groups):
                 changed = {r.group_id for r in self.engine.step()}
                 for group_id in changed:
-                    output = self._output(group_id, *groups[group_id])
+                    output = self._output(group_id, groups[group_id])
                     if output.finished:
                         reported.add(group_id)
-                    yield output
+                    yield _new_part(output, sent) if delta else output
                 if not changed and not self.engine.has_unfinished():
                     break
         finally:
@@ -107,21 +153,97 @@ class LLM:
                 self.engine.abort(group_id)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Final outputs in the order of the prompts."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: ProgressOption = True) -> list[RequestOutput]:
+        """Final outputs in the order of the prompts.
+
+        `use_tqdm`: True shows a progress bar on stderr when it is a terminal (so logs and
+        pipes stay clean); False never; a tqdm-like factory such as `tqdm.tqdm` always shows
+        the bar it makes.
+        """
+        return self._generate(prompts, sampling_params, use_tqdm, thinking=None)
+
+    def _generate(self, prompts: PromptType | Sequence[PromptType],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: ProgressOption, thinking: bool | None) -> list[RequestOutput]:
+        prompts = _prompt_list(prompts)
+        bar = _progress_bar(use_tqdm, total=len(prompts))
+        num_output_tokens = 0
         final: dict[str, RequestOutput] = {}
-        for output in self.stream(prompts, sampling_params):
-            final[output.request_id] = output
+        try:
+            for output in self._stream(prompts, sampling_params, delta=False,
+                                       thinking=thinking):
+                final[output.request_id] = output
+                if bar is not None and not bar.disable and output.finished:
+                    num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = bar.format_dict["elapsed"]
+                    if elapsed > 0:
+                        bar.set_postfix_str(f"{num_output_tokens / elapsed:.0f} output tok/s",
+                                            refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[k] for k in sorted(final, key=int)]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | None = None, tools: list[dict] | None = None,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: ProgressOption = True,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """Replies to one conversation or a list of them.
+
+        Each reply's `<think>` block is split off as vLLM's reasoning parsers do:
+        `outputs[i].reasoning_content` holds the reasoning (None without a think block) and
+        `outputs[i].text` the answer only. `enable_thinking=False` (a template keyword, here
+        or in `chat_template_kwargs`) ends the prompt with an empty think block; text the
+        model still writes before a `</think>` is then reasoning too.
+        """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
             conversation, tools=tools, add_generation_prompt=add_generation_prompt,
             tokenize=True, **template_kwargs)} for conversation in conversations]
-        return self.generate(prompts, sampling_params)
+        # The template only closes the think block when it opens the assistant's turn.
+        thinking = bool(template_kwargs.get("enable_thinking", True)) or not add_generation_prompt
+        return self._generate(prompts, sampling_params, use_tqdm, thinking=thinking)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                           and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _new_part(output: RequestOutput, sent: dict[tuple[str, int], tuple[int, int]]
+              ) -> RequestOutput:
+    """What is new in a cumulative output; `sent` holds the text and token counts given so
+    far per (request, sample) and is updated."""
+    parts = []
+    for completion in output.outputs:
+        key = (output.request_id, completion.index)
+        num_chars, num_tokens = sent.get(key, (0, 0))
+        sent[key] = (len(completion.text), len(completion.token_ids))
+        parts.append(dataclasses.replace(
+            completion, text=completion.text[num_chars:],
+            token_ids=completion.token_ids[num_tokens:],
+            logprobs=completion.logprobs[num_tokens:] if completion.logprobs is not None
+            else None))
+    return dataclasses.replace(output, outputs=parts)
+
+
+def _progress_bar(use_tqdm: ProgressOption, total: int) -> Any:
+    if use_tqdm is False:
+        return None
+    from tqdm import tqdm
+
+    options = {"total": total, "desc": "Processed prompts", "unit": "prompt",
+               "dynamic_ncols": True}
+    if callable(use_tqdm):
+        return use_tqdm(**options)
+    # disable=None: tqdm stays silent unless stderr is a terminal.
+    return tqdm(**options, disable=None)

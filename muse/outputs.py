@@ -16,6 +16,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Chat replies only: the think block's text, None when there is none; `text` is then the
+    # answer alone.
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -30,5 +30,4 @@ def test_chat_answers_with_reasoning_then_the_sum():
                      SamplingParams(temperature=0.0, max_tokens=64,
                                     skip_special_tokens=False))[0].outputs[0]
     assert reply.finish_reason == "stop" and reply.stop_reason == 7  # ended by <|end|>
-    reasoning, answer = reply.text.split("</think>")
-    assert reasoning.startswith("<think>") and answer.strip() == "82"
+    assert reply.reasoning_content.endswith("So 82.") and reply.text.strip() == "82"
