@@ -34,6 +34,7 @@ from muse.chat_format import (
     SPECIAL_TOKENS,
     STOP_TOKEN_IDS,
 )
+from muse.literal_specials import LiteralSpecials
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -120,6 +121,8 @@ class MuseTokenizer:
                     f"but muse requires id {token_id} (special tokens must be ids 0..{NUM_SPECIAL_TOKENS - 1})"
                 )
         self.tokenizer = tokenizer
+        self._text_tokenizer: Tokenizer | None = None
+        self._max_token_bytes: int | None = None
         self.chat_template = chat_template
         self.model_max_length = model_max_length
 
@@ -246,6 +249,11 @@ class MuseTokenizer:
                     raise ValueError(f"each tool must be a JSON schema dict, got {type(tool).__name__}")
         # transformers passes the named special tokens as template variables; kwargs win.
         variables = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, **kwargs}
+        # Token ids are made from a rendering in which the conversation's own special-token
+        # strings are marked, so that they are encoded as text (see muse.literal_specials).
+        literals = LiteralSpecials() if tokenize else None
+        if literals is not None:
+            messages, tools = literals.wrap(messages), literals.wrap(tools)
         text = compile_chat_template(self.chat_template).render(
             messages=messages,
             tools=tools,
@@ -253,9 +261,26 @@ class MuseTokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-        if tokenize:
-            return self.encode(text)
-        return text
+        if literals is None:
+            return text
+        ids: list[int] = []
+        for piece, literal in literals.split(text):
+            ids += self.encode_as_text(piece) if literal else self.encode(piece)
+        return ids
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of N bytes has at least N / this many tokens."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+        return self._max_token_bytes
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings spelled out as ordinary text."""
+        if self._text_tokenizer is None:
+            self._text_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+            self._text_tokenizer.encode_special_tokens = True
+        return self._text_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def build_untrained_tokenizer() -> Tokenizer:
