@@ -70,17 +70,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(log_dir: Path, *flags: str, api_key: str | None = None) -> LiveServer:
-    """Start `muse serve` with `flags` and wait until /health answers 200."""
+def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None, model: str | None = MODEL) -> LiveServer:
+    """Start `muse serve` on `model` with `flags` (and `env` added to the environment) and
+    wait until /health answers 200. `model=None` leaves it to the environment."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "muse.cli", "serve", MODEL, "--host", "127.0.0.1",
-               "--port", str(port), *flags]
+    command = [sys.executable, "-m", "muse.cli", "serve", *([model] if model else []),
+               "--host", "127.0.0.1", "--port", str(port), *flags]
     if api_key is not None:
         command += ["--api-key", api_key]
     # One math thread: on a small shared CPU, spinning OpenMP threads of several processes
     # (server, engine core, tests) slow each other down by an order of magnitude.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           **(env or {})}
     with open(log_path, "wb") as log:
         # A session of its own, so teardown can reach the engine process too if need be.
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,

@@ -1,7 +1,7 @@
 """The server's own prefix-cache counters, read from `/metrics` before and after a level.
 
-Known names: muse's gauges (cumulative since start) and vLLM's counters. Servers without
-them (SGLang exposes only a rate) report None, and the usage-based hit rate stands alone.
+Known names: vLLM's counters (which muse also exposes). Servers without them (SGLang exposes
+only a rate) report None, and the usage-based hit rate stands alone.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # (hits, queries), both in prompt tokens.
 PREFIX_CACHE_SAMPLES = (
-    ("muse_prefix_cache_hits_tokens", "muse_prefix_cache_queries_tokens"),
     ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
     ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),
 )

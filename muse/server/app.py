@@ -1,21 +1,33 @@
-"""The FastAPI application: routes, authentication, errors, health and metrics."""
+"""The FastAPI application: routes, errors, health and metrics.
+
+Request guards (API key, body size and read time, counting) wrap the app as ASGI middleware
+(request_guards.py). Parsing, chat-template rendering and tokenizing run in a thread pool,
+so a large or slow request never holds up the event loop that serves the others.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 import muse
 from muse.server.chat import chat_completion
 from muse.server.completions import completion
 from muse.server.engine_client import EngineClient, EngineDeadError
 from muse.server.errors import APIError, error_response, validation_error_response
+from muse.server.generation import GenerationState
+from muse.server.json_body import parse_body
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import (
     ChatCompletionRequest,
@@ -23,13 +35,22 @@ from muse.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from muse.server.request_guards import BufferedBody, CountRequests, RequireAPIKey
 from muse.server.serving import (
     ServerOptions,
     check_model,
+    default_body_limit,
     completion_prompts,
     plan_chat,
     plan_completion,
+    render_chat,
+    tokenize_prompts,
 )
+from muse.server.stats_logger import log_stats_while_running
+
+logger = logging.getLogger("muse.server")
+# Threads that parse bodies and tokenize prompts; more would only contend for the GIL.
+PREPARE_THREADS = 4
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -50,112 +71,140 @@ async def cancel_on_disconnect(request: Request, work):
     return task.result()
 
 
-def build_app(client: EngineClient, tokenizer, options: ServerOptions) -> FastAPI:
-    metrics = ServerMetrics()
+def build_app(client: EngineClient, tokenizer, options: ServerOptions,
+              on_engine_death: Callable[[str], None] | None = None) -> FastAPI:
+    metrics = ServerMetrics(options.served_model_name)
+    prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="muse-prepare")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        client.on_death = on_engine_death
         await client.start()
+        if options.max_request_body_bytes is None:
+            options.max_request_body_bytes = default_body_limit(client.ready.max_model_len,
+                                                                options.max_token_bytes)
+        stats_task = asyncio.create_task(log_stats_while_running(client, metrics, options))
         yield
+        stats_task.cancel()
         await client.shutdown()
+        prepare.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="muse", version=muse.__version__, lifespan=lifespan)
     app.state.client, app.state.metrics = client, metrics
 
+    async def off_loop(function: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            prepare, partial(function, *args))
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError):
-        metrics.requests.labels(status=f"http_{error.status}").inc()
         return error_response(error)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
-        metrics.requests.labels(status="http_500").inc()
-        return error_response(APIError(500, f"the engine failed: {error}", code="engine_dead"))
+        return error_response(APIError(503, f"the engine failed: {error}", code="engine_dead"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
-        metrics.requests.labels(status="http_400").inc()
         return validation_error_response(error.errors())
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if options.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {options.api_key}":
-                return error_response(APIError(401, "invalid or missing API key",
-                                               code="invalid_api_key"))
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"
+                   }.get(error.status_code, str(error.detail))
+        return error_response(APIError(error.status_code, message,
+                                       headers=getattr(error, "headers", None)))
 
-    async def body_of(request: Request, model):
-        """Parse the JSON body ourselves so bad JSON and bad fields are both a 400."""
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-            raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json")
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        try:
-            return model.model_validate(data)
-        except ValidationError as error:
-            raise _validation_api_error(error) from None
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal error ({type(error).__name__})",
+                                       code="internal_error"))
 
-    def admit() -> None:
+    def admit(num_samples: int) -> None:
+        """Check the engine is up and reserve room for the samples in the waiting queue."""
         if not client.healthy:
-            raise APIError(500, f"the engine is not running: {client.dead_reason}",
-                           code="engine_dead")
-        queued = len(client.queues) - client.stats.running
-        if queued >= options.max_queued_requests:
-            raise APIError(503, "the server is overloaded; retry later", code="overloaded",
+            raise APIError(503, f"the engine is not running: {client.dead_reason}",
+                           code="engine_dead", headers={"Retry-After": "5"})
+        if not client.reserve(num_samples, options.max_queued_requests):
+            raise APIError(429, f"the server is overloaded: more than "
+                                f"{options.max_queued_requests} samples would wait "
+                                "(--max-queued-requests); retry later", code="overloaded",
                            headers={"Retry-After": "1"})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await body_of(request, ChatCompletionRequest)
-        admit()
-        plan = plan_chat(body, tokenizer, client.ready, options)
-        request_id = client.new_request_id("chatcmpl")
-        work = chat_completion(body, plan, client, tokenizer, options, metrics, request_id)
-        return await work if body.stream else await cancel_on_disconnect(request, work)
+        body = await off_loop(parse_body, await request.body(), ChatCompletionRequest)
+        admit(body.n)
+        try:
+            plan = await off_loop(plan_chat, body, tokenizer, client.ready, options)
+            request_id = client.new_request_id("chatcmpl")
+            state = GenerationState()
+            request.state.generations = [state]
+            work = chat_completion(body, plan, client, tokenizer, options, metrics,
+                                   request_id, state)
+            return await work if body.stream else await cancel_on_disconnect(request, work)
+        finally:
+            client.release(body.n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await body_of(request, CompletionRequest)
-        admit()
+        body = await off_loop(parse_body, await request.body(), CompletionRequest)
         prompts = completion_prompts(body, tokenizer)
-        params = [plan_completion(body, prompt, client.ready, options) for prompt in prompts]
-        request_id = client.new_request_id("cmpl")
-        work = completion(body, prompts, params, client, tokenizer, options, metrics,
-                          request_id)
-        return await work if body.stream else await cancel_on_disconnect(request, work)
+        admit(len(prompts) * body.n)
+        try:
+            token_prompts = await off_loop(tokenize_prompts, prompts, tokenizer,
+                                           client.ready, options)
+            params = [plan_completion(body, prompt, client.ready, options)
+                      for prompt in token_prompts]
+            request_id = client.new_request_id("cmpl")
+            states = [GenerationState() for _ in token_prompts]
+            request.state.generations = states
+            work = completion(body, token_prompts, params, client, tokenizer, options,
+                              metrics, request_id, states)
+            return await work if body.stream else await cancel_on_disconnect(request, work)
+        finally:
+            client.release(len(prompts) * body.n)
 
     @app.get("/v1/models")
     async def models():
+        if not client.healthy:
+            raise EngineDeadError(client.dead_reason or "not started")
         return {"object": "list", "data": [{
             "id": options.served_model_name, "object": "model", "created": 0,
             "owned_by": "muse", "max_model_len": client.ready.max_model_len}]}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await body_of(request, TokenizeRequest)
+    def tokenize_body(raw: bytes) -> list[int]:
+        body = parse_body(raw, TokenizeRequest)
         check_model(body.model, options)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
-            tokens = tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages], tokenize=True,
-                add_generation_prompt=body.add_generation_prompt)
-        else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tools = [t.model_dump() for t in body.tools] if body.tools else None
+            return render_chat(body.messages, tools, body.add_generation_prompt,
+                               body.chat_template_kwargs, tokenizer, client.ready, options)
+        return tokenize_prompts([body.prompt], tokenizer, client.ready, options,
+                                body.add_special_tokens)[0]
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        if not client.healthy:
+            raise EngineDeadError(client.dead_reason or "not started")
+        tokens = await off_loop(tokenize_body, await request.body())
         return {"tokens": tokens, "count": len(tokens), "max_model_len":
                 client.ready.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await body_of(request, DetokenizeRequest)
+        if not client.healthy:
+            raise EngineDeadError(client.dead_reason or "not started")
+        body = await off_loop(parse_body, await request.body(), DetokenizeRequest)
         check_model(body.model, options)
         bad = [t for t in body.tokens if not 0 <= t < client.ready.vocab_size]
         if bad:
             raise APIError(400, f"token ids out of range: {bad[:5]}", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -173,10 +222,12 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions) -> FastAP
         metrics.update_engine(client.stats)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    # The last added runs first: count, then CORS, then the key, then the body.
+    app.add_middleware(BufferedBody, limits=options)
+    app.add_middleware(RequireAPIKey, api_key=options.api_key)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(CountRequests, counter=metrics.requests,
+                       skip_paths=frozenset({"/health", "/metrics"}))
     return app
-
-
-def _validation_api_error(error: ValidationError) -> APIError:
-    response = validation_error_response(error.errors())
-    detail = json.loads(response.body)["error"]
-    return APIError(400, detail["message"], param=detail["param"], code="invalid_value")

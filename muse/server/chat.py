@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from muse.server.engine_client import EngineClient, EngineDeadError
+from muse.server.engine_client import EngineClient
 from muse.server.generation import GenerationState, generate
 from muse.server.metrics import ServerMetrics
 from muse.server.parsers.chat_output import ChatOutputParser, DeltaMessage
@@ -39,13 +39,12 @@ def _delta_json(delta: DeltaMessage) -> dict[str, Any]:
 
 async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client: EngineClient,
                           tokenizer, options: ServerOptions, metrics: ServerMetrics,
-                          request_id: str):
-    state = GenerationState()
+                          request_id: str, state: GenerationState):
     updates = generate(client, tokenizer, request_id, plan.prompt_token_ids, plan.params,
                        metrics, state, CHAT_HIDDEN_TOKEN_IDS)
     _, updates = await first_then_rest(updates)
-    parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.tools)
-               for _ in range(plan.params.n)]
+    parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.tools,
+                                plan.thinking) for _ in range(plan.params.n)]
     head = {"id": request_id, "created": now(), "model": options.served_model_name}
     if request.stream:
         return ClosingStreamingResponse(
@@ -110,8 +109,9 @@ async def _stream(request: ChatCompletionRequest, plan: ChatPlan, updates: Async
             if update.finish_reason is not None:
                 yield choice(update.index, {}, _finish_reason(update.finish_reason,
                                                               made_tool_calls[update.index]))
-    except EngineDeadError as error:
+    except Exception as error:  # the stream has begun: an error event, then its end
         yield stream_error(error)
+        yield sse("[DONE]")
         return
     finally:
         # A client that went away closes this stream; closing `updates` aborts the request.

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from muse.engine.sampling_params import SamplingParams
-from muse.server.engine_client import EngineClient, EngineDeadError
+from muse.server.engine_client import EngineClient
 from muse.server.generation import GenerationState, generate
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import CompletionRequest
@@ -34,9 +34,9 @@ def _usage(states: list[GenerationState]) -> dict[str, Any]:
 
 async def completion(request: CompletionRequest, prompts: list[list[int]],
                      params: list[SamplingParams], client: EngineClient, tokenizer,
-                     options: ServerOptions, metrics: ServerMetrics, request_id: str):
+                     options: ServerOptions, metrics: ServerMetrics, request_id: str,
+                     states: list[GenerationState]):
     n = request.n
-    states = [GenerationState() for _ in prompts]
     streams = []
     for p, (prompt, sampling) in enumerate(zip(prompts, params)):
         if request.echo and request.logprobs is not None:
@@ -90,7 +90,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
                 # The usage as of this update: by the time the chunk is written, the other
                 # pumps (or this one) may have counted later tokens.
                 await queue.put((p, update, _usage(states) if continuous_usage else None))
-        except EngineDeadError as error:
+        except Exception as error:  # noqa: BLE001 - sent to the client as an error event
             await queue.put((p, error, None))
         finally:
             await queue.put((p, None, None))
@@ -107,6 +107,7 @@ async def _stream(request: CompletionRequest, streams: list[AsyncIterator],
                 continue
             if isinstance(update, Exception):
                 yield stream_error(update)
+                yield sse("[DONE]")
                 return
             text, entries = update.text, list(update.logprobs)
             key = (p, update.index)

@@ -8,13 +8,15 @@ a thread of this process (tests, the offline API's server mode).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import queue
+import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -54,10 +56,26 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Called once with the reason when the engine dies (the server exits).
+        self.on_death: Callable[[str], None] | None = None
+        self.num_samples = 0  # samples of the requests in flight
+        self.num_reserved = 0  # samples admitted whose requests are not in flight yet
 
     @property
     def healthy(self) -> bool:
         return self.ready is not None and self.dead_reason is None
+
+    def reserve(self, num_samples: int, max_waiting: int) -> bool:
+        """Admit `num_samples` more samples unless more than `max_waiting` would then wait
+        for the engine; `release` them once their request is in flight (or refused)."""
+        waiting = self.num_samples + self.num_reserved - self.stats.running
+        if waiting + num_samples > max_waiting:
+            return False
+        self.num_reserved += num_samples
+        return True
+
+    def release(self, num_samples: int) -> None:
+        self.num_reserved -= num_samples
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
@@ -73,11 +91,14 @@ class EngineClient:
                 self._mark_dead(message.message)
 
     def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             logger.error("engine core died: %s", reason)
             self.dead_reason = reason
         for target in self.queues.values():
             target.put_nowait(EngineDead(reason))
+        if first and self.on_death is not None:
+            self.on_death(reason)
 
     def _submit(self, command) -> None:
         raise NotImplementedError
@@ -93,6 +114,7 @@ class EngineClient:
         target: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = target
         unfinished = set(range(params.n))
+        self.num_samples += params.n
         try:
             self._submit(AddRequest(request_id, prompt_token_ids, params))
             while unfinished:
@@ -106,6 +128,7 @@ class EngineClient:
                 yield message
         finally:
             del self.queues[request_id]
+            self.num_samples -= params.n
             if unfinished and self.dead_reason is None:
                 self._submit(AbortRequest(request_id))
 
@@ -170,12 +193,33 @@ class ThreadEngineClient(EngineClient):
 
 
 class ProcessEngineClient(EngineClient):
-    def __init__(self, args: EngineArgs, start_timeout_s: float = 600.0) -> None:
+    """The engine core in a process of its own.
+
+    If that process dies, in-flight requests fail at once; then either the server is told
+    (`on_death`: it exits, so a supervisor can restart it) or, with `restart`, a new engine
+    process is started and requests are served again once it is ready.
+    """
+
+    def __init__(self, args: EngineArgs, start_timeout_s: float = 600.0,
+                 restart: bool = False) -> None:
         super().__init__()
         self.args = args
         self.start_timeout_s = start_timeout_s
+        self.restart = restart
         self.process: multiprocessing.Process | None = None
         self.tasks: list[asyncio.Task] = []
+        self.socket_dir: str | None = None
+        self.restarts = 0
+
+    def _mark_dead(self, reason: str) -> None:
+        if not self.restart:
+            super()._mark_dead(reason)
+            return
+        on_death, self.on_death = self.on_death, None  # a restart is not the server's end
+        try:
+            super()._mark_dead(reason)
+        finally:
+            self.on_death = on_death
 
     async def start(self) -> None:
         import zmq
@@ -185,6 +229,7 @@ class ProcessEngineClient(EngineClient):
 
         self.loop = asyncio.get_running_loop()
         self.socket_dir = tempfile.mkdtemp(prefix="muse-")
+        atexit.register(shutil.rmtree, self.socket_dir, ignore_errors=True)
         to_engine = f"ipc://{Path(self.socket_dir) / 'in'}"
         from_engine = f"ipc://{Path(self.socket_dir) / 'out'}"
         self.context = zmq.asyncio.Context()
@@ -222,10 +267,26 @@ class ProcessEngineClient(EngineClient):
         # Let a last message (its reason) arrive before declaring the cause unknown.
         await asyncio.sleep(0.2)
         self._mark_dead(f"the engine core process exited with code {self.process.exitcode}")
+        if self.restart:
+            self._restart_task = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        self.restarts += 1
+        logger.warning("restarting the engine core (restart %d)", self.restarts)
+        await self.shutdown()
+        self.ready, self.dead_reason, self.stats = None, None, EngineStats()
+        try:
+            await self.start()
+        except EngineDeadError as error:
+            self.restart, self.dead_reason = False, None
+            self._mark_dead(f"the engine core could not be restarted: {error}")
+        else:
+            logger.info("the engine core is back")
 
     async def shutdown(self) -> None:
         for task in self.tasks:
-            task.cancel()
+            if task is not asyncio.current_task():
+                task.cancel()
         if self.process is not None and self.process.is_alive():
             self._submit(Shutdown())
             await asyncio.to_thread(self.process.join, 10)
@@ -234,3 +295,5 @@ class ProcessEngineClient(EngineClient):
         self.outbox.close(linger=0)
         self.inbox.close(linger=0)
         self.context.term()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -32,13 +32,18 @@ class GenerationState:
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     texts: dict[int, str] = field(default_factory=dict)
+    outcome: str | None = None  # set when the generation did not finish: "abort" or "error"
 
 
 async def generate(client: EngineClient, tokenizer, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, metrics: ServerMetrics, state: GenerationState,
                    hidden_token_ids: frozenset[int] | None = None
                    ) -> AsyncIterator[SampleUpdate]:
-    """Updates of every sample until all finish; stop strings end a sample early."""
+    """Updates of every sample until all finish; stop strings end a sample early.
+
+    A generation left unfinished marks `state.outcome` "abort" (the client left) or "error";
+    the HTTP request is then counted with that outcome (see request_guards.CountRequests).
+    """
     arrival = time.monotonic()
     last_token_time: float | None = None
     detokenizers = {i: IncrementalDetokenizer(tokenizer, params, hidden_token_ids)
@@ -48,6 +53,7 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
     deltas = client.generate(request_id, prompt_token_ids, params)
     try:
         async for delta in deltas:
+            metrics.generation_tokens.inc(len(delta.token_ids))
             if delta.index not in unfinished:
                 continue  # a sample already ended by a stop string
             now = time.monotonic()
@@ -71,19 +77,27 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
             if text.stop is not None:
                 finish, stop_reason = "stop", text.stop
             state.num_output_tokens += len(delta.token_ids)
-            metrics.generation_tokens.inc(len(delta.token_ids))
             state.texts[delta.index] = detokenizer.text
             if finish is not None:
                 unfinished.discard(delta.index)
+                metrics.sample_finished(finish)
             yield SampleUpdate(delta.index, text.text, delta.token_ids, delta.logprobs or [],
                                finish, stop_reason)
             if not unfinished:
                 status = "finished"
                 break
+    except Exception:
+        status = "error"
+        raise
     finally:
         metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        metrics.request_prompt_tokens.observe(state.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(state.num_output_tokens)
         metrics.e2e_latency.observe(time.monotonic() - arrival)
-        metrics.requests.labels(status=status).inc()
+        for _ in unfinished:
+            metrics.sample_finished("abort")
+        if status != "finished" and state.outcome != "error":
+            state.outcome = status
         # Samples a stop string ended are still running in the engine: leaving the engine's
         # stream (here or because the client went away) aborts them. Close it now rather than
         # when it is garbage collected, so the abort is never late.

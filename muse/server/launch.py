@@ -1,50 +1,144 @@
-"""`muse serve`: flags (named as vLLM names them), the engine process and uvicorn."""
+"""`muse serve`: flags (named as vLLM names them), the engine process and uvicorn.
+
+Every flag can also come from an environment variable `MUSE_<FLAG>` (`--api-key` from
+`MUSE_API_KEY`, `--max-model-len` from `MUSE_MAX_MODEL_LEN`, the model from `MUSE_MODEL`);
+a flag on the command line wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import sys
 from pathlib import Path
 
 from muse.engine.args import EngineArgs
 
 logger = logging.getLogger("muse.server")
+ENV_PREFIX = "MUSE_"
+TRUE_WORDS, FALSE_WORDS = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _origins(text: str) -> list[str]:
+    """`["https://a.example", ...]` (JSON) or `https://a.example,https://b.example`."""
+    text = text.strip()
+    if text.startswith("["):
+        return list(json.loads(text))
+    return [origin.strip() for origin in text.split(",") if origin.strip()]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
-    parser.add_argument("model", nargs="?", default=default_model,
-                        help="a checkpoint folder or a preset (random weights)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: the model argument)")
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run every step eagerly (no CUDA graphs for decode batches)")
-    parser.add_argument("--disable-overlap-schedule", action="store_true",
-                        help="read each step back before launching the next (by default the "
-                             "next step is launched first, so host work overlaps the GPU)")
-    parser.add_argument("--reasoning-parser", choices=["muse"], default=None)
-    parser.add_argument("--tool-call-parser", choices=["muse"], default=None)
-    parser.add_argument("--enable-auto-tool-choice", action="store_true")
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja2 chat template file replacing the model's own")
-    parser.add_argument("--max-queued-requests", type=int, default=1024,
-                        help="answer 503 when more requests than this wait for the engine")
-    parser.add_argument("--engine-in-process", action="store_true",
-                        help="run the engine core in a thread of the server process")
+    add = parser.add_argument
+    add("model", nargs="?", default=default_model,
+        help="a checkpoint folder or a preset (random weights) (default: the shipped model, "
+             "%(default)s)")
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    add("--served-model-name", nargs="+", default=None,
+        help="names clients may give as `model`; the first is the one /v1/models reports "
+             "(default: the checkpoint folder's name; the model argument as typed is also "
+             "accepted)")
+    add("--api-key", default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health; prefer the "
+             "MUSE_API_KEY environment variable, which `ps` does not show (default: none)")
+    add("--max-model-len", type=int, default=None,
+        help="context length, prompt and output together (default: the model's maximum, "
+             "capped by the KV cache)")
+    add("--max-num-seqs", type=int, default=256,
+        help="most sequences in one batch (default: %(default)s)")
+    add("--max-num-batched-tokens", type=int, default=8192,
+        help="token budget of one engine step (default: %(default)s)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV cache of shared prompt prefixes (default: on)")
+    add("--block-size", type=int, default=16,
+        help="tokens per KV-cache block (default: %(default)s)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype (default: %(default)s: bfloat16 on a GPU, "
+             "float32 on the CPU)")
+    add("--device", default="auto",
+        help="cpu, cuda or cuda:N (default: %(default)s: cuda when present)")
+    add("--seed", type=int, default=0,
+        help="seed of a preset's random weights (default: %(default)s)")
+    add("--gpu-memory-utilization", type=float, default=0.9,
+        help="fraction of GPU memory for weights, activations and KV cache "
+             "(default: %(default)s)")
+    add("--kv-cache-memory-bytes", type=int, default=None,
+        help="KV-cache size in bytes, instead of the share left by "
+             "--gpu-memory-utilization (default: computed)")
+    add("--enforce-eager", action="store_true",
+        help="run every step eagerly, no CUDA graphs for decode batches (default: off)")
+    add("--disable-overlap-schedule", action="store_true",
+        help="read each step back before launching the next (default: off: the next step "
+             "is launched first, so host work overlaps the GPU)")
+    add("--reasoning-parser", choices=["muse"], default=None,
+        help="split a leading <think> block into reasoning_content (default: none)")
+    add("--tool-call-parser", choices=["muse"], default=None,
+        help="turn <tool_call> blocks into tool_calls (default: none)")
+    add("--enable-auto-tool-choice", action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser) (default: off)')
+    add("--chat-template", default=None,
+        help="a Jinja2 chat template file replacing the model's own (default: the model's)")
+    add("--max-queued-requests", type=int, default=1024,
+        help="answer 429 when more samples than this (prompts x n) would wait for the "
+             "engine (default: %(default)s)")
+    add("--max-request-body-bytes", type=int, default=None,
+        help="answer 413 to larger request bodies, before reading them (default: 4 MiB "
+             "above the longest prompt the model accepts)")
+    add("--request-body-timeout", type=float, default=30.0,
+        help="seconds a client has to send its whole request body, else 408 "
+             "(default: %(default)s)")
+    add("--header-read-timeout", type=float, default=10.0,
+        help="seconds a client has to send a request's headers, else the connection is "
+             "closed (default: %(default)s)")
+    add("--max-response-logprobs", type=int, default=100_000,
+        help="most logprob entries one response may hold: n x max_tokens x (1 + top "
+             "logprobs) (default: %(default)s)")
+    add("--allowed-origins", type=_origins, default=None,
+        help="CORS: origins whose browser pages may call the API, as a JSON list or "
+             "comma-separated (default: none, CORS off)")
+    add("--restart-engine", action="store_true",
+        help="start a new engine core when it dies, instead of exiting with an error "
+             "(default: off)")
+    add("--disable-log-stats", action="store_true",
+        help="no periodic throughput / queue / KV-usage log lines (default: off: one every "
+             "5 s while busy)")
+    add("--engine-in-process", action="store_true",
+        help="run the engine core in a thread of the server process (default: off)")
+    apply_environment_defaults(parser)
+
+
+def apply_environment_defaults(parser: argparse.ArgumentParser,
+                               environ: dict[str, str] | None = None) -> None:
+    """Take each flag's default from `MUSE_<FLAG>` when that variable is set."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        if name not in environ:
+            continue
+        parser.set_defaults(**{action.dest: _from_environment(action, name, environ[name])})
+
+
+def _from_environment(action: argparse.Action, name: str, text: str):
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        word = text.strip().lower()
+        if word not in TRUE_WORDS | FALSE_WORDS:
+            raise SystemExit(f"muse serve: error: {name}={text!r} must be one of "
+                             f"{sorted(TRUE_WORDS | FALSE_WORDS - {''})}")
+        return word in TRUE_WORDS
+    convert = action.type or str
+    try:
+        value = [convert(item) for item in text.split()] if action.nargs == "+" \
+            else convert(text)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"muse serve: error: {name}={text!r}: {error}") from None
+    if action.choices is not None and value not in action.choices:
+        raise SystemExit(f"muse serve: error: {name}={text!r} must be one of "
+                         f"{list(action.choices)}")
+    return value
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -58,7 +152,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         overlap_schedule=not args.disable_overlap_schedule)
 
 
-def build_from_args(args: argparse.Namespace):
+def build_from_args(args: argparse.Namespace, on_engine_death=None):
     """The app for these flags (the engine starts with the app's lifespan)."""
     from muse.engine.engine import load_tokenizer
     from muse.server.app import build_app
@@ -72,21 +166,52 @@ def build_from_args(args: argparse.Namespace):
         raise ValueError(f"{args.model} has no tokenizer; the server needs one")
     if args.chat_template:
         tokenizer.chat_template = Path(args.chat_template).read_text()
-    model_name = Path(args.model).name if Path(args.model).is_dir() else args.model
+    names = list(args.served_model_name or [])
+    folder_name = Path(args.model).name if Path(args.model).is_dir() else args.model
+    served = names[0] if names else folder_name
     options = ServerOptions(
-        served_model_name=args.served_model_name or model_name, api_key=args.api_key,
-        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        served_model_name=served,
+        model_aliases=frozenset(names[1:] if names else [args.model]),
+        api_key=args.api_key, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        max_queued_requests=args.max_queued_requests)
+        max_queued_requests=args.max_queued_requests,
+        max_response_logprobs=args.max_response_logprobs,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_body_timeout_s=args.request_body_timeout,
+        allowed_origins=args.allowed_origins,
+        log_stats_interval_s=None if args.disable_log_stats else 5.0,
+        max_token_bytes=tokenizer.max_token_bytes)
     client = ThreadEngineClient(engine_args) if args.engine_in_process \
-        else ProcessEngineClient(engine_args)
-    return build_app(client, tokenizer, options)
+        else ProcessEngineClient(engine_args, restart=args.restart_engine)
+    return build_app(client, tokenizer, options, on_engine_death)
 
 
 def serve(args: argparse.Namespace) -> None:
+    """Serve until stopped; exit with status 1 if the engine core dies (without
+    --restart-engine), so that a supervisor restarts the whole server."""
     import uvicorn
 
-    app = build_from_args(args)
+    from muse.server.http_protocol import protocol_with_header_timeout
+
+    server: uvicorn.Server | None = None
+    death: list[str] = []
+
+    def on_engine_death(reason: str) -> None:
+        death.append(reason)
+        logger.error("the engine core died (%s); the server is shutting down", reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_from_args(args, on_engine_death)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=5,
+                            http=protocol_with_header_timeout(args.header_read_timeout))
+    server = uvicorn.Server(config)
     logger.info("serving %s at http://%s:%d/v1", args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the app did not start (its log says why)
+    if death:
+        logger.error("exiting with status 1: the engine core died (%s)", death[0])
+        sys.exit(1)

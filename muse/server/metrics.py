@@ -1,4 +1,8 @@
-"""Prometheus metrics of the server (one registry per app, so tests can run several)."""
+"""Prometheus metrics of the server (one registry per app, so tests can run several).
+
+Where vLLM has a metric for the same thing, it has vLLM's name, type and `model_name` label,
+so dashboards built for vLLM work unchanged. The rest are `muse_*`.
+"""
 
 from __future__ import annotations
 
@@ -8,54 +12,81 @@ from muse.server.messages import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000, 200000, 500000, 1000000)
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("muse_requests", "Finished requests by outcome", ["status"],
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        model = ["model_name"]
+
+        def counter(name: str, text: str, labels: list[str] = model) -> Counter:
+            return Counter(name, text, labels, registry=r)
+
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(name, text, model, registry=r).labels(model_name)
+
+        def histogram(name: str, text: str, buckets: tuple) -> Histogram:
+            return Histogram(name, text, model, buckets=buckets, registry=r).labels(model_name)
+
+        # Every HTTP request once, by outcome: finished, abort, http_<status>.
+        self.requests = Counter("muse_requests", "HTTP requests by outcome", ["status"],
                                 registry=r)
-        self.prompt_tokens = Counter("muse_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("muse_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.time_to_first_token = Histogram("muse_time_to_first_token_seconds",
-                                             "Time to first token", buckets=LATENCY_BUCKETS,
-                                             registry=r)
-        self.inter_token_latency = Histogram("muse_inter_token_latency_seconds",
-                                             "Time between output tokens",
-                                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e_latency = Histogram("muse_e2e_request_latency_seconds",
+        self.request_success = counter("vllm:request_success",
+                                       "Finished samples by finish reason",
+                                       ["model_name", "finished_reason"])
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed"
+                                     ).labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated"
+                                         ).labels(model_name)
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Time to first token", LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Time between output tokens", LATENCY_BUCKETS)
+        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
                                      "Request latency from arrival to last token",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("muse_num_requests_running", "Requests in the running batch",
-                             registry=r)
-        self.waiting = Gauge("muse_num_requests_waiting", "Requests waiting to be scheduled",
-                             registry=r)
-        self.kv_usage = Gauge("muse_kv_cache_usage_ratio",
-                              "Fraction of KV blocks held by requests", registry=r)
+                                     LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens per request", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request",
+                                                   TOKEN_BUCKETS)
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of KV blocks held by requests (0 to 1)")
         self.kv_blocks_used = Gauge("muse_kv_cache_blocks_used",
                                     "KV blocks held by requests (cached free blocks excluded)",
                                     registry=r)
-        self.prefix_queries = Gauge("muse_prefix_cache_queries_tokens",
-                                    "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Gauge("muse_prefix_cache_hits_tokens",
-                                 "Prompt tokens served from the prefix cache", registry=r)
-        self.prefix_hit_rate = Gauge("muse_prefix_cache_hit_rate",
-                                     "Prefix-cache hits over queries (tokens)", registry=r)
-        self.preemptions = Gauge("muse_num_preemptions", "Requests preempted so far",
-                                 registry=r)
+        # Engine-side totals arrive as running sums; the counters advance by the difference.
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache"
+                                      ).labels(model_name)
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache"
+                                   ).labels(model_name)
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted"
+                                   ).labels(model_name)
+        self._last = EngineStats()
 
     def update_engine(self, stats: EngineStats) -> None:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
         self.kv_blocks_used.set(stats.kv_blocks_used)
-        self.prefix_queries.set(stats.prefix_cache_queries)
-        self.prefix_hits.set(stats.prefix_cache_hits)
-        self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries
-                                 if stats.prefix_cache_queries else 0.0)
-        self.preemptions.set(stats.num_preemptions)
+        last = self._last
+        for counter, now, before in (
+                (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.preemptions, stats.num_preemptions, last.num_preemptions)):
+            # A restarted engine counts from zero again.
+            counter.inc(now - before if now >= before else now)
+        self._last = stats
+
+    def sample_finished(self, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -141,6 +141,8 @@ class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

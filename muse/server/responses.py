@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import aclosing
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ from muse.engine.request import TokenLogprobs
 from muse.server.engine_client import EngineDeadError, RequestError
 from muse.server.errors import APIError, error_body
 from muse.server.generation import GenerationState, SampleUpdate
+
+logger = logging.getLogger("muse.server")
 
 
 def usage(state: GenerationState) -> dict[str, Any]:
@@ -96,7 +99,7 @@ async def first_then_rest(updates: AsyncIterator[SampleUpdate]
         raise APIError(error.status, str(error), param=error.param) from None
     except EngineDeadError as error:
         await updates.aclose()
-        raise APIError(500, f"the engine failed: {error}", code="engine_dead") from None
+        raise APIError(503, f"the engine failed: {error}", code="engine_dead") from None
 
     async def rest() -> AsyncIterator[SampleUpdate]:
         # Closing `rest` closes `updates` at once (not when it is garbage collected), so a
@@ -111,6 +114,11 @@ async def first_then_rest(updates: AsyncIterator[SampleUpdate]
 
 
 def stream_error(error: Exception) -> str:
-    status = 500
-    message = f"the engine failed: {error}" if isinstance(error, EngineDeadError) else str(error)
-    return sse(error_body(status, message, code="engine_dead"))
+    """The SSE event that tells a client its stream failed after it had begun."""
+    if isinstance(error, EngineDeadError):
+        return sse(error_body(503, f"the engine failed: {error}", code="engine_dead"))
+    if isinstance(error, RequestError):
+        return sse(error_body(error.status, str(error), error.param))
+    logger.error("a stream failed", exc_info=error)
+    return sse(error_body(500, f"internal error ({type(error).__name__})",
+                          code="internal_error"))

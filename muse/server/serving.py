@@ -6,11 +6,14 @@ field, and nothing is queued.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from muse.chat_format import SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, \
-    TOOL_CALL_START_ID
+from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID, \
+    TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
 from muse.engine.structured_output import StructuredOutput
@@ -28,12 +31,28 @@ MEDIA_PARTS = {"image_url": "image", "input_image": "image", "video_url": "video
 @dataclass
 class ServerOptions:
     served_model_name: str
+    # Other names a request's `model` may give (the model argument as typed, more
+    # --served-model-name values).
+    model_aliases: frozenset[str] = frozenset()
     api_key: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     chat_template: str | None = None
     max_queued_requests: int = 1024
+    max_response_logprobs: int = 100_000
+    max_request_body_bytes: int | None = None  # None: default_body_limit once ready
+    request_body_timeout_s: float = 30.0
+    allowed_origins: list[str] | None = None  # CORS; off unless given
+    log_stats_interval_s: float | None = 5.0  # None: no periodic stats lines
+    # Bytes of the tokenizer's longest token: a text longer than max_model_len times this
+    # cannot fit, so it is refused without tokenizing it.
+    max_token_bytes: int = 1
+
+
+def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
+    """A few MB above the longest prompt the model accepts, as text or as token ids."""
+    return 4 * 2**20 + max_model_len * max(8, max_token_bytes)
 
 
 def structured_output_for(response_format: ResponseFormat | None) -> StructuredOutput | None:
@@ -44,11 +63,21 @@ def structured_output_for(response_format: ResponseFormat | None) -> StructuredO
     if response_format.json_schema is None or not response_format.json_schema.schema_:
         raise APIError(400, "`response_format.json_schema.schema` is required for type "
                             "json_schema", param="response_format.json_schema")
-    return StructuredOutput.for_schema(response_format.json_schema.schema_)
+    with invalid_request_as_400():
+        return StructuredOutput.for_schema(response_format.json_schema.schema_)
+
+
+@contextmanager
+def invalid_request_as_400() -> Iterator[None]:
+    try:
+        yield
+    except InvalidRequestError as error:
+        raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
 
 def check_model(requested: str | None, options: ServerOptions) -> None:
-    if requested is not None and requested != options.served_model_name:
+    if requested is not None and requested != options.served_model_name \
+            and requested not in options.model_aliases:
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")
 
@@ -87,6 +116,8 @@ class ChatPlan:
     parse_reasoning: bool
     parse_tools: bool
     tools: list[dict] | None
+    # False when the prompt closed the reasoning block (thinking disabled by the template).
+    thinking: bool = True
 
 
 def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
@@ -112,32 +143,83 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
             if not functions:
                 raise APIError(400, f"`tool_choice` names {choice.function.name!r}, which is "
                                     "not among `tools`", param="tool_choice")
-        structured = StructuredOutput.for_tools(
-            functions, parallel=choice == "required" and request.parallel_tool_calls)
-    messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    for message in messages:
-        if message["role"] == "developer":
-            message["role"] = "system"
-    try:
-        prompt = tokenizer.apply_chat_template(
-            messages, tools=tools if choice != "none" else None,
-            add_generation_prompt=request.add_generation_prompt, tokenize=True,
-            **(request.chat_template_kwargs or {}))
-    except Exception as error:  # a template error is the request's fault
-        raise APIError(400, f"cannot render the conversation: {error}", param="messages")
+        with invalid_request_as_400():
+            structured = StructuredOutput.for_tools(
+                functions, parallel=choice == "required" and request.parallel_tool_calls)
+    prompt = render_chat(request.messages, tools if choice != "none" else None,
+                         request.add_generation_prompt, request.chat_template_kwargs,
+                         tokenizer, ready, options)
     max_tokens = request.max_completion_tokens or request.max_tokens
-    params = _params(request, prompt, max_tokens, ready,
+    params = _params(request, prompt, max_tokens, ready, options,
                      (request.top_logprobs or 0) if request.logprobs else None)
+    reasoning = options.reasoning_parser == "muse"
+    if structured is not None and reasoning:
+        # As in vLLM, the grammar constrains the reply after its reasoning block (from the
+        # start when the prompt closed the block: the engine checks the prompt's tail).
+        structured = dataclasses.replace(structured, reasoning_end_token_id=THINK_END_ID)
     params.structured_output = structured
-    return ChatPlan(prompt, params, parse_reasoning=options.reasoning_parser == "muse",
+    return ChatPlan(prompt, params, parse_reasoning=reasoning,
                     parse_tools=choice != "none" and (options.tool_call_parser == "muse"
                                                       or structured is not None
                                                       and structured.kind == "tool_calls"),
-                    tools=tools)
+                    tools=tools, thinking=not reasoning_closed_in_prompt(prompt))
+
+
+def reasoning_closed_in_prompt(prompt: list[int]) -> bool:
+    """True when the reply's reasoning block is already closed by the prompt (the template
+    writes `<think></think>` after the last `<|assistant|>` when thinking is disabled)."""
+    for token in reversed(prompt):
+        if token == THINK_END_ID:
+            return True
+        if token == ASSISTANT_ID:
+            return False
+    return False
+
+
+def render_chat(messages: list, tools: list[dict] | None, add_generation_prompt: bool,
+                template_kwargs: dict | None, tokenizer, ready: EngineReady,
+                options: ServerOptions) -> list[int]:
+    """The conversation's prompt token ids; any template error is a 400 (the request's)."""
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    for message in dumped:
+        if message["role"] == "developer":
+            message["role"] = "system"
+    check_text_length(_strings(dumped) + _strings(tools), ready, options, "messages")
+    try:
+        return tokenizer.apply_chat_template(
+            dumped, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(template_kwargs or {}))
+    except Exception as error:  # a template error is the request's fault
+        reason = "it nests too deeply" if isinstance(error, RecursionError) else error
+        raise APIError(400, f"cannot render the conversation: {reason}",
+                       param="messages") from None
+
+
+def check_text_length(texts: list[str], ready: EngineReady, options: ServerOptions,
+                      param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit in the context whatever its tokens."""
+    num_chars = sum(len(text) for text in texts)
+    if num_chars > ready.max_model_len * options.max_token_bytes:
+        raise APIError(400, f"the {param} hold {num_chars} characters: more than the "
+                            f"{ready.max_model_len} tokens of this model's context could "
+                            "hold", param=param, code="context_length_exceeded")
+
+
+def _strings(value) -> list[str]:
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineReady,
-            logprobs: int | None) -> SamplingParams:
+            options: ServerOptions, logprobs: int | None) -> SamplingParams:
     prompt_field = "messages" if hasattr(request, "messages") else "prompt"
     if len(prompt) >= ready.max_model_len:
         raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's maximum context "
@@ -155,7 +237,24 @@ def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineRea
     except InvalidRequestError as error:
         param = prompt_field if error.param == "prompt" else error.param
         raise APIError(400, str(error), param=param, code="invalid_value") from None
+    _check_logprobs_size(params, len(prompt), getattr(request, "echo", False), options)
     return params
+
+
+def _check_logprobs_size(params: SamplingParams, prompt_length: int, echo: bool,
+                         options: ServerOptions) -> None:
+    """Bound the logprob entries one response may carry (each is a JSON object)."""
+    if params.logprobs is None:
+        return
+    per_token = 1 + params.logprobs
+    entries = params.n * params.max_tokens * per_token + (prompt_length * per_token
+                                                          if echo else 0)
+    if entries > options.max_response_logprobs:
+        raise APIError(400, f"this request asks for {entries} logprob entries (n x max_tokens "
+                            f"x (1 + top logprobs){' + the echoed prompt' if echo else ''}); "
+                            f"this server returns at most {options.max_response_logprobs} "
+                            "(--max-response-logprobs): lower n, max_tokens or the number "
+                            "of logprobs", param="max_tokens", code="invalid_value")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]:
@@ -168,8 +267,17 @@ def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]
         prompts = list(prompt)
     if not prompts:
         raise APIError(400, "`prompt` is empty", param="prompt")
-    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            for p in prompts]
+    return prompts
+
+
+def tokenize_prompts(prompts: list, tokenizer, ready: EngineReady, options: ServerOptions,
+                     add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt (a string, or token ids already)."""
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text_length([prompt], ready, options, "prompt")
+    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str)
+            else list(p) for p in prompts]
 
 
 def plan_completion(request: CompletionRequest, prompt: list[int], ready: EngineReady,
@@ -177,6 +285,6 @@ def plan_completion(request: CompletionRequest, prompt: list[int], ready: Engine
     check_model(request.model, options)
     if request.suffix is not None:
         raise APIError(400, "`suffix` is not supported", param="suffix")
-    params = _params(request, prompt, request.max_tokens, ready, request.logprobs)
+    params = _params(request, prompt, request.max_tokens, ready, options, request.logprobs)
     params.structured_output = structured_output_for(request.response_format)
     return params

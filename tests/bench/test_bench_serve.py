@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from muse.cli import main
 from muse.tokenizer import PAD_ID
 
-COUNTERS = ("muse_prompt_tokens_total", "muse_generation_tokens_total",
-            "muse_prefix_cache_hits_tokens", "muse_prefix_cache_queries_tokens")
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+            "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 AGENTIC = ["--workload", "agentic", "--num-sessions", "2", "--turns", "3:3",
            "--system-tokens", "150", "--user-tokens", "30:60", "--tool-result-tokens", "20:80",
            "--output-tokens", "8:8", "--think-time", "0:0.2"]
@@ -45,9 +45,9 @@ def run_and_check(base_url: str, out: Path, run_id: str, *flags: str) -> dict[st
     requests = results["requests"]
     assert requests and all(r["error"] is None for r in requests), \
         [r["error"] for r in requests if r["error"]]
-    assert sum(r["prompt_tokens"] for r in requests) == delta["muse_prompt_tokens_total"]
+    assert sum(r["prompt_tokens"] for r in requests) == delta["vllm:prompt_tokens_total"]
     assert sum(r["completion_tokens"] for r in requests) == \
-        delta["muse_generation_tokens_total"]
+        delta["vllm:generation_tokens_total"]
     for r in requests:
         assert r["completion_tokens"] == r["intended_output_tokens"]  # ignore_eos: exact
         # muse sends the usage in every chunk, one chunk per generated token.
@@ -55,17 +55,17 @@ def run_and_check(base_url: str, out: Path, run_id: str, *flags: str) -> dict[st
         assert len(r["itl_s"]) == r["num_chunks"] - 1
         assert 0 < r["ttft_s"] < r["e2e_s"]
     summaries = results["summaries"]
-    assert sum(s["input_tokens"] for s in summaries) == delta["muse_prompt_tokens_total"]
-    assert sum(s["output_tokens"] for s in summaries) == delta["muse_generation_tokens_total"]
+    assert sum(s["input_tokens"] for s in summaries) == delta["vllm:prompt_tokens_total"]
+    assert sum(s["output_tokens"] for s in summaries) == delta["vllm:generation_tokens_total"]
     for s in summaries:
         assert s["failed"] == 0 and s["total_tokens_per_s"] > 0
         assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"]
         assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
         assert s["per_user_tokens_per_s"]["p50"] > 0
     assert sum(s["prefix_cache"]["server_hits_tokens"] for s in summaries) == \
-        delta["muse_prefix_cache_hits_tokens"]
+        delta["vllm:prefix_cache_hits_total"]
     assert sum(s["prefix_cache"]["server_queries_tokens"] for s in summaries) == \
-        delta["muse_prefix_cache_queries_tokens"]
+        delta["vllm:prefix_cache_queries_total"]
     stem = out / f"{results['config']['workload']}-{run_id}"
     assert Path(f"{stem}.png").stat().st_size > 0
     assert Path(results["config"]["trace"]).exists()

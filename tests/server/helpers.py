@@ -12,9 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 POLL_INTERVAL_S = 0.2
 
 
-def read_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+def read_metrics(base_url: str, api_key: str | None = None) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics, keyed by (sample name, sorted labels)."""
-    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url}/metrics", timeout=30, headers=headers)
     response.raise_for_status()
     samples = {}
     for family in text_string_to_metric_families(response.text):
@@ -24,7 +25,10 @@ def read_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
 
 
 def metric(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of `name`'s samples whose labels include `labels` (e.g. any model_name)."""
+    wanted = set(labels.items())
+    return sum(value for (sample, sample_labels), value in samples.items()
+               if sample == name and wanted <= set(sample_labels))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -39,10 +43,10 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(POLL_INTERVAL_S)
 
 
-def engine_idle(base_url: str) -> bool:
-    samples = read_metrics(base_url)
-    return (metric(samples, "muse_num_requests_running") == 0
-            and metric(samples, "muse_num_requests_waiting") == 0
+def engine_idle(base_url: str, api_key: str | None = None) -> bool:
+    samples = read_metrics(base_url, api_key)
+    return (metric(samples, "vllm:num_requests_running") == 0
+            and metric(samples, "vllm:num_requests_waiting") == 0
             and metric(samples, "muse_kv_cache_blocks_used") == 0)
 
 

@@ -41,6 +41,13 @@ def schema_format(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 LONG_TEXT = "word " * (2 * MAX_MODEL_LEN)  # a token per word: twice the context
 
@@ -156,9 +163,42 @@ BAD_REQUESTS = [
     ("detokenize-out-of-range", "/detokenize", {"model": MODEL, "tokens": [10**7]}, 400,
      "tokens"),
     ("detokenize-not-a-list", "/detokenize", {"model": MODEL, "tokens": "abc"}, 400, "tokens"),
+    # A lone UTF-16 surrogate (`"\ud800"` in JSON) is no Unicode text: refused wherever it is.
+    ("surrogate-in-prompt", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400,
+     "prompt"),
+    ("surrogate-in-stop", COMPLETIONS, b'{"prompt": "a", "stop": ["\\udfff"]}', 400,
+     "stop[0]"),
+    ("surrogate-in-model", CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", '
+     b'"content": "hi"}]}', 400, "model"),
+    ("surrogate-in-message", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+     400, "messages[0].content"),
+    ("surrogate-in-tokenize", "/tokenize", b'{"prompt": "\\udc00"}', 400, "prompt"),
+    ("tokenize-malformed-tool-calls", "/tokenize", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"function": 5}]}]}, 400, "messages"),
+    ("tokenize-tool-calls-not-objects", "/tokenize", {"messages": [
+        {"role": "assistant", "tool_calls": ["x"]}]}, 400, ANY),
+    ("json-schema-nested-deeply", CHAT, chat(response_format=schema_format(
+        nested_schema(300))), 400, "response_format"),
+    ("tool-parameters-nested-deeply", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f",
+                                                 "parameters": nested_schema(300)}}],
+        tool_choice="required"), 400, "tools"),
+    ("body-nested-deeply", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     400, ANY),
 ]
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/no-such-route", 404), ("POST", "/v1/chat/completion", 404),
+    ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405)])
+def test_routing_errors_are_openai_shaped(server, method, path, status):
+    with server.http() as http:
+        response = http.request(method, path)
+    error = check_error_body(response, status)
+    assert path in error["message"]
 
 
 def check_error_body(response: httpx.Response, status: int, param=ANY) -> dict:
@@ -241,9 +281,21 @@ def test_right_api_key_is_served(guarded_server):
                                                extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 3
         assert [m.id for m in client.models.list().data] == [MODEL]
-    # Health checks and scrapes need no key.
+    # Health checks need no key; everything else does.
     assert httpx.get(f"{guarded_server.base_url}/health", timeout=30).status_code == 200
-    assert httpx.get(f"{guarded_server.base_url}/metrics", timeout=30).status_code == 200
+    with guarded_server.http() as http:
+        assert http.get("/metrics").status_code == 200
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"),
+    ("GET", "/openapi.json"), ("GET", "/version"), ("GET", "/v1/models"),
+    ("GET", "/no-such-route")])
+def test_every_route_but_health_needs_the_key(guarded_server, method, path):
+    response = httpx.request(method, f"{guarded_server.base_url}{path}", timeout=30,
+                             json={"prompt": "hi"} if method == "POST" else None)
+    check_error_body(response, 401)
 
 
 def test_auto_tool_choice_needs_the_server_flags(guarded_server):
@@ -252,8 +304,8 @@ def test_auto_tool_choice_needs_the_server_flags(guarded_server):
     check_error_body(response, 400, "tool_choice")
 
 
-def test_full_queue_answers_503_with_retry_after(guarded_server):
-    """One request runs, one waits (max_queued_requests 1): the next ones get 503."""
+def test_full_queue_answers_429_with_retry_after(guarded_server):
+    """One request runs, one waits (max_queued_requests 1): the next ones get 429."""
     base_url = guarded_server.base_url
 
     async def scenario():
@@ -266,9 +318,9 @@ def test_full_queue_answers_503_with_retry_after(guarded_server):
                 model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True}))
 
             def one_waits() -> bool:
-                samples = read_metrics(base_url)
-                return metric(samples, "muse_num_requests_running") == 1 and \
-                    metric(samples, "muse_num_requests_waiting") == 1
+                samples = read_metrics(base_url, guarded_server.api_key)
+                return metric(samples, "vllm:num_requests_running") == 1 and \
+                    metric(samples, "vllm:num_requests_waiting") == 1
 
             await asyncio.to_thread(wait_until, one_waits, 30, "a request waiting")
             refused = await asyncio.gather(*(
@@ -281,12 +333,12 @@ def test_full_queue_answers_503_with_retry_after(guarded_server):
     assert len(refused) == 4
     for error in refused:
         assert isinstance(error, openai.APIStatusError), error
-        assert error.status_code == 503
+        assert error.status_code == 429
         assert error.response.headers.get("retry-after") is not None
         assert int(error.response.headers["retry-after"]) >= 0
         assert error.code == "overloaded" and error.type
     assert waited.choices[0].finish_reason == "length"
     assert waited.usage.completion_tokens == 8
-    wait_until(lambda: engine_idle(base_url), 30, "the engine going idle")
-    samples = read_metrics(base_url)
-    assert metric(samples, "muse_requests_total", status="http_503") >= 4
+    wait_until(lambda: engine_idle(base_url, guarded_server.api_key), 30, "the engine going idle")
+    samples = read_metrics(base_url, guarded_server.api_key)
+    assert metric(samples, "muse_requests_total", status="http_429") >= 4

@@ -561,16 +561,21 @@ def test_json_schema_strings_hold_no_raw_control_characters(client, bounded):
 
 METRIC_NAMES = [
     "muse_requests_total",
-    "muse_prompt_tokens_total",
-    "muse_generation_tokens_total",
-    "muse_time_to_first_token_seconds_bucket",
-    "muse_inter_token_latency_seconds_bucket",
-    "muse_e2e_request_latency_seconds_bucket",
-    "muse_num_requests_running",
-    "muse_num_requests_waiting",
-    "muse_kv_cache_usage_ratio",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
     "muse_kv_cache_blocks_used",
-    "muse_prefix_cache_hit_rate",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
 ]
 
 
@@ -579,6 +584,11 @@ def test_metrics_count_a_request(server, client):
     before = read_metrics(server.base_url)
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9,
                                            extra_body=NO_EOS)
+    # The request is counted once its response has ended, just after the client has it.
+    wait_until(lambda: metric(read_metrics(server.base_url), "muse_requests_total",
+                              status="finished")
+               > metric(before, "muse_requests_total", status="finished"), 30,
+               "the request counted")
     after = read_metrics(server.base_url)
     names = {name for name, _ in after}
     assert not [name for name in METRIC_NAMES if name not in names]
@@ -587,20 +597,31 @@ def test_metrics_count_a_request(server, client):
         return metric(after, name, **labels) - metric(before, name, **labels)
 
     assert grew("muse_requests_total", status="finished") == 1
-    assert grew("muse_prompt_tokens_total") == reply.usage.prompt_tokens
-    assert grew("muse_generation_tokens_total") == reply.usage.completion_tokens == 9
-    assert grew("muse_time_to_first_token_seconds_count") == 1
-    assert grew("muse_e2e_request_latency_seconds_count") == 1
-    assert grew("muse_inter_token_latency_seconds_count") == 8
+    assert grew("vllm:request_success_total", finished_reason="length") == 1
+    assert grew("vllm:request_generation_tokens_sum") == 9
+    assert grew("vllm:prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("vllm:generation_tokens_total") == reply.usage.completion_tokens == 9
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == 8
 
 
 def test_metrics_count_refused_requests(server, client):
     before = read_metrics(server.base_url)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5)
-    after = read_metrics(server.base_url)
-    assert metric(after, "muse_requests_total", status="http_400") == \
-        metric(before, "muse_requests_total", status="http_400") + 1
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    with server.http() as http:
+        assert http.get("/v1/no-such-route").status_code == 404
+
+    def grew(status: str) -> float:
+        return metric(read_metrics(server.base_url), "muse_requests_total", status=status) \
+            - metric(before, "muse_requests_total", status=status)
+
+    wait_until(lambda: grew("http_404") >= 2, 30, "the 404s counted")
+    # Each refused request is counted exactly once, whatever refused it.
+    assert grew("http_400") == 1 and grew("http_404") == 2
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(server, client):
@@ -614,7 +635,6 @@ def test_prefix_cache_hits_on_a_repeated_prompt(server, client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
-    hits = metric(after, "muse_prefix_cache_hits_tokens") - \
-        metric(before, "muse_prefix_cache_hits_tokens")
+    hits = metric(after, "vllm:prefix_cache_hits_total") - \
+        metric(before, "vllm:prefix_cache_hits_total")
     assert hits >= cached
-    assert metric(after, "muse_prefix_cache_hit_rate") > 0

@@ -55,12 +55,15 @@ class ChatOutputParser:
     reasoning: split off a leading `<think>` block (else think tags are plain content).
     tools: extract tool-call blocks (else they are plain content).
     offered_tools: the request's OpenAI tool dicts; calls to other names stay content.
+    thinking: False when the prompt already closed the reasoning block (see
+    MuseReasoningParser).
     """
 
     def __init__(
-        self, reasoning: bool, tools: bool, offered_tools: list[dict[str, Any]] | None = None
+        self, reasoning: bool, tools: bool, offered_tools: list[dict[str, Any]] | None = None,
+        thinking: bool = True,
     ) -> None:
-        self._reasoning_parser = MuseReasoningParser() if reasoning else None
+        self._reasoning_parser = MuseReasoningParser(thinking) if reasoning else None
         self._tool_parser = MuseToolCallParser(offered_tools) if tools else None
 
     def parse(self, text: str) -> ParsedMessage:

@@ -63,16 +63,18 @@ def parse_tool_call(body: str, allowed_names: set[str] | None) -> ParsedToolCall
     """The call in the text between the tags, or None when it is not a valid call."""
     try:
         call = json.loads(body, parse_constant=_reject_constant)
-    except ValueError:
+        if not isinstance(call, dict):
+            return None
+        name, arguments = call.get("name"), call.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            return None
+        if allowed_names is not None and name not in allowed_names:
+            return None
+        return ParsedToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+    except (ValueError, RecursionError):
+        # Nesting deeper than Python's JSON can read (or write back) is not a call we can
+        # pass on; the text stays content.
         return None
-    if not isinstance(call, dict):
-        return None
-    name, arguments = call.get("name"), call.get("arguments")
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        return None
-    if allowed_names is not None and name not in allowed_names:
-        return None
-    return ParsedToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
 class MuseToolCallParser:
