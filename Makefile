@@ -4,19 +4,27 @@ PYTHON := $(VENV)/bin/python
 # Without CUDA take the CPU build of torch (a small local wheel) instead of the multi-GB CUDA one.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test serve clean
+.PHONY: install install-test test serve clean
 
+# What serving needs: the package and its runtime dependencies.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PYTHON) -m pip install -q "$(TORCH_CPU)"; fi
+	$(PYTHON) -m pip install -q -e .
+	touch $@
+
+# The test extras on top (pytest, transformers, the openai client, triton, ...).
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PYTHON) -m pip install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+test: $(VENV)/.installed-test
 	$(PYTHON) -m pytest
 
 # The OpenAI-compatible server on the default model at http://127.0.0.1:8000 .
