@@ -7,6 +7,7 @@ the server process (tests, `--engine-in-process`); only `receive` and `send` dif
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -58,12 +59,32 @@ class EngineLoop:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
                                         command.params)
             except InvalidRequestError as error:
-                return [RequestFailed(command.request_id, str(error), error.param)]
+                return [self._failure(command.request_id, error)]
         elif isinstance(command, AbortRequest):
             for sample in self.engine.requests.get(command.request_id, []):
                 self.reported.pop(sample.request_id, None)
             self.engine.abort(command.request_id)
         return []
+
+    @staticmethod
+    def _failure(request_id: str, error: InvalidRequestError) -> RequestFailed:
+        return RequestFailed(request_id, str(error), error.param,
+                             getattr(error, "status", 400))
+
+    def _outputs(self, requests: list[Request]) -> list:
+        """A delta per sample that changed; one failure per request that failed in the step
+        (its grammar did not compile), which fails it in the front end like an admission
+        error."""
+        outputs, failed = [], set()
+        for request in requests:
+            if request.error is None:
+                outputs.append(self._delta(request))
+                continue
+            self.reported.pop(request.request_id, None)
+            if request.group_id not in failed:
+                failed.add(request.group_id)
+                outputs.append(self._failure(request.group_id, request.error))
+        return outputs
 
     def _delta(self, request: Request) -> SampleDelta:
         sent = self.reported.get(request.request_id, 0)
@@ -92,7 +113,7 @@ class EngineLoop:
                     return
                 outputs.extend(self._handle(command))
             if self.engine.has_unfinished():
-                outputs.extend(self._delta(r) for r in self.engine.step())
+                outputs.extend(self._outputs(self.engine.step()))
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S or outputs:
                 outputs.append(engine_stats(self.engine))
@@ -119,7 +140,13 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
     def send(messages: list) -> None:
         outbox.send(encoder.encode(messages))
 
+    parent = os.getppid()
+
     def receive(timeout: float) -> list:
+        if os.getppid() != parent:
+            # The front end is gone (even SIGKILL leaves no time to stop us): exit rather than
+            # hold the GPU as an orphan.
+            raise SystemExit("the front end exited")
         commands = []
         if inbox.poll(int(timeout * 1000)):
             while True:

@@ -117,3 +117,22 @@ def _health(server: LiveServer) -> int:
         return httpx.get(f"{server.base_url}/health", timeout=CLIENT_TIMEOUT_S).status_code
     except httpx.TransportError:
         return -1
+
+
+def test_the_engine_exits_when_the_front_end_is_killed(server_logs, socket_root):
+    server = start(server_logs, socket_root)
+    engine_pid = engine_core_pid(server.process.pid)
+    try:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=EXIT_TIMEOUT_S)
+        wait_until(lambda: not _alive(engine_pid), EXIT_TIMEOUT_S, "the orphaned engine exiting")
+    finally:
+        stop_server(server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
