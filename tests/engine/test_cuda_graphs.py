@@ -6,7 +6,7 @@ import torch
 from muse import LLM, SamplingParams
 from muse.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from muse.engine.metadata import HostBatch
-from tests.engine.helpers import mixed_prompts
+from tests.engine.helpers import assert_greedy_is_well_defined, assert_same_outputs, mixed_prompts
 
 
 def test_buckets_cover_every_batch_size():
@@ -31,18 +31,19 @@ def test_host_batch_pads_block_tables_with_the_null_block():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_replays_match_eager_steps():
     prompts = mixed_prompts(8192, 16, count=12)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
     outputs = {}
     for eager in (True, False):
         llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", enforce_eager=eager,
                   max_num_seqs=16)
-        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outputs[eager] = llm.generate(prompts, params)
         graphs = llm.engine.runner.decode_graphs
         if eager:
             assert graphs is None
         else:
             assert graphs.replays >= 9  # every decode step after the prefill steps
-    assert outputs[True] == outputs[False]
+    assert_same_outputs(outputs[False], outputs[True])
+    assert_greedy_is_well_defined(llm, prompts, [o.outputs[0].token_ids for o in outputs[True]])
 
 
 def test_padded_graph_inputs_give_the_eager_hidden_states():

@@ -5,7 +5,9 @@ import torch
 
 from muse import LLM, SamplingParams
 from tests.conftest import DEVICE
-from tests.engine.helpers import mixed_prompts, reference_from_engine, reference_greedy
+from tests.engine.helpers import (MIN_GREEDY_GAP, assert_same_logprobs, mixed_prompts,
+                                  reference_from_engine, reference_greedy,
+                                  reference_token_logprobs)
 
 MAX_TOKENS = 12
 
@@ -19,7 +21,7 @@ def expected():
     prompts = mixed_prompts(config.vocab_size, config.sliding_window)
     outputs, smallest_gap = reference_greedy(reference, prompts, MAX_TOKENS)
     # The comparison only means something if float error cannot flip an argmax.
-    assert smallest_gap > 1e-4
+    assert smallest_gap > MIN_GREEDY_GAP
     return prompts, outputs
 
 
@@ -75,13 +77,9 @@ def test_prefill_logits_match_the_reference():
     output = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
     with torch.no_grad():
         logprobs = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    assert output.prompt_logprobs[0] is None
-    got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
-    want = logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for position, entry in enumerate(output.prompt_logprobs[1:]):
-        top_ids = [token for token, _ in entry.top]
-        assert top_ids == logprobs[position].topk(3).indices.tolist()
+    want = [None] + [reference_token_logprobs(logprobs[position], token, 3)
+                     for position, token in enumerate(prompt[1:])]
+    assert_same_logprobs(output.prompt_logprobs, want, "prompt logprobs")
 
 
 def test_qwen3_moe_checkpoint(tmp_path):
@@ -96,7 +94,7 @@ def test_qwen3_moe_checkpoint(tmp_path):
     assert reference.config.sliding_window == window
     prompts = mixed_prompts(reference.config.vocab_size, window)
     want, smallest_gap = reference_greedy(reference, prompts, MAX_TOKENS)
-    assert smallest_gap > 1e-4
+    assert smallest_gap > MIN_GREEDY_GAP
     token_bytes = 4 * 2 * 2 * 16 * 4  # one token's K and V in all 4 layers, fp32
     for engine_args in ({"max_num_batched_tokens": 40},
                         {"max_num_batched_tokens": 40, "kv_cache_memory_bytes": 9 * 16 * token_bytes}):

@@ -12,7 +12,8 @@ from muse.engine.kv_budget import block_bytes
 from muse.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager
 from muse.engine.request import Request, RequestStatus
 from muse.presets import get_preset
-from tests.engine.helpers import random_prompt, tiny_llm
+from tests.engine.helpers import (assert_greedy_is_well_defined, assert_same_outputs,
+                                  random_prompt, tiny_llm)
 
 BLOCK = 4
 # 33 tokens: 8 full blocks, and a reuse point of at most 32 (one token is left to compute).
@@ -292,7 +293,8 @@ def test_hit_rate_counters():
     # (40 - 1) rounded down to the block size of 16
     assert (stats.queries, stats.hits, second.num_cached_tokens) == (80, 32, 32)
     assert stats.hit_rate == pytest.approx(32 / 80)
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_same_outputs([second], [first])
+    assert_greedy_is_well_defined(llm, [prompt], [first.outputs[0].token_ids])
     other = llm.generate([prompt[:20] + random_prompt(20, 1)], params)[0]
     assert (stats.queries, stats.hits, other.num_cached_tokens) == (120, 48, 16)
     assert_all_released(llm.engine.kv_cache)
@@ -374,15 +376,15 @@ def test_prefix_reuse_with_odd_block_sizes_keeps_greedy_output(block_size):
     shared = random_prompt(45, 10)
     prompts = [shared + random_prompt(length, 20 + length) for length in (3, 9, 20)]
     prompts.append(shared)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    want = [o.outputs[0].token_ids
-            for o in tiny_llm(enable_prefix_caching=False).generate(prompts, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    want = tiny_llm(enable_prefix_caching=False).generate(prompts, params)
     llm = tiny_llm(block_size=block_size, max_num_batched_tokens=24)
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    first = llm.generate(prompts, params)
     second = llm.generate(prompts, params)
-    assert first == want
-    assert [o.outputs[0].token_ids for o in second] == want
+    assert_same_outputs(first, want)
+    assert_same_outputs(second, want)
     assert all(o.num_cached_tokens > 0 for o in second)
+    assert_greedy_is_well_defined(llm, prompts, [o.outputs[0].token_ids for o in want])
     assert_all_released(llm.engine.kv_cache)
 
 
@@ -415,4 +417,5 @@ def test_preemption_returns_blocks_and_keeps_greedy_output():
     assert engine.scheduler.num_preemptions == preempted_seen
     assert [r.output_token_ids for r in requests] == want
     assert all(r.finish_reason == "length" for r in requests)
+    assert_greedy_is_well_defined(llm, prompts, want)
     assert_all_released(kv_cache)
