@@ -99,6 +99,8 @@ class LLM:
 
     def _output(self, group_id: str, group: _Group) -> RequestOutput:
         first = group.samples[0]
+        if first.error is not None:
+            raise first.error  # its grammar did not compile, as add_request would raise
         return RequestOutput(
             request_id=group_id, prompt=group.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(s, d, group.thinking)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
+from muse.presets import PRESETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +31,12 @@ class EngineArgs:
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
     # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
     overlap_schedule: bool = True
+    # Structured output: a grammar not compiled this long after its request arrived fails
+    # the request (400); larger schema / tools JSON is refused before compiling (400).
+    grammar_compile_timeout_s: float = 10.0
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    grammar_cache_bytes: int = 256 * 2**20  # compiled grammars kept for reuse, LRU
+    grammar_compile_threads: int = 2  # compiles run beside the engine loop, this many at once
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -42,12 +52,47 @@ class EngineArgs:
         return DTYPES[self.dtype]
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "max_grammar_bytes", "grammar_compile_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("`grammar_compile_timeout_s` must be positive, got "
+                             f"{self.grammar_compile_timeout_s}")
+        if not isinstance(self.grammar_cache_bytes, int) or self.grammar_cache_bytes < 0:
+            raise ValueError("`grammar_cache_bytes` must be a non-negative integer, got "
+                             f"{self.grammar_cache_bytes!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("`gpu_memory_utilization` must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        self._validate_model()
+        self._validate_device()
+
+    def _validate_model(self) -> None:
+        # Checked before anything loads, so a typo is not reported as a missing file inside
+        # the folder (config, tokenizer) the user never meant.
+        if self.model in PRESETS or Path(self.model).is_dir():
+            return
+        problem = "is not a folder" if Path(self.model).exists() else "does not exist"
+        raise ValueError(f"checkpoint folder {self.model!r} {problem} (and it is not a preset: "
+                         f"one of {', '.join(PRESETS)})")
+
+    def _validate_device(self) -> None:
+        if self.device == "auto":
+            return
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError("`device` must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got "
+                             f"{self.device!r}") from None
+        if device.type != "cuda":
+            return
+        if not torch.cuda.is_available():
+            raise ValueError(f"`device` is {self.device!r}, but CUDA is not available on this "
+                             "machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"`device` is {self.device!r}, but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s)")

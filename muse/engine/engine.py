@@ -10,6 +10,7 @@ import torch
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.engine.args import EngineArgs
 from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
 from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
@@ -21,6 +22,10 @@ from muse.presets import PRESETS, get_preset
 from muse.reference.model import init_weights, init_weights_on_device
 
 logger = logging.getLogger("muse")
+
+# With nothing to run but requests waiting for their grammar, a step waits this long for a
+# compile to end instead of spinning (and taking a core from the compile threads).
+GRAMMAR_WAIT_S = 0.01
 
 
 # Presets up to this many parameters draw their weights on the CPU, identically on every
@@ -104,6 +109,9 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
         self.in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
+        # Requests whose grammar is compiling: not scheduled, no KV blocks (group id -> job).
+        self.grammar_waiting: dict[str, CompileJob] = {}
+        self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
         sizes = block_bytes(self.config, args.block_size, self.dtype)
         logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
@@ -159,13 +167,20 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> list[Request]:
-        """Validate and queue a request; its `n` samples share the prompt's KV."""
+        """Validate and queue a request; its `n` samples share the prompt's KV.
+
+        A constrained request whose grammar is not cached waits, unscheduled, while its
+        grammar compiles beside the loop; a compile that fails later fails it from `step`."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         validate_prompt(prompt_token_ids, self.config.vocab_size, self.max_model_len)
         params.validate(self.config.vocab_size)
-        compiler = self._grammar_compiler() if params.structured_output else None
+        spec = params.structured_output
+        compiled = None
+        if spec is not None:
+            spec.check(self.args.max_grammar_bytes)
+            compiled = self._grammar_jobs().cache.get(spec.grammar_key)
         samples = []
         for index in range(params.n):
             samples.append(Request(
@@ -174,27 +189,66 @@ class EngineCore:
                 prompt_token_ids=list(prompt_token_ids), params=params,
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
-                generator=self._generator(params, index),
-                grammar=compiler.matcher(params.structured_output) if compiler else None))
+                generator=self._generator(params, index)))
         self.requests[request_id] = samples
-        self.scheduler.add(samples[0])
-        if params.n > 1:
-            self.pending_siblings[samples[0].request_id] = samples[1:]
+        if spec is not None and compiled is None:
+            self.grammar_waiting[request_id] = self.grammar_jobs.submit(spec)
+        else:
+            self._queue(samples, compiled)
         return samples
 
-    def _grammar_compiler(self):
-        if self.runner.grammar_compiler is None:
+    def _queue(self, samples: list[Request], compiled) -> None:
+        """Hand a request to the scheduler, each sample with its own matcher if constrained."""
+        if compiled is not None:
+            for sample in samples:
+                sample.grammar = self.runner.grammar_compiler.matcher(
+                    compiled, sample.params.structured_output, sample.prompt_token_ids)
+        self.scheduler.add(samples[0])
+        if len(samples) > 1:
+            self.pending_siblings[samples[0].request_id] = samples[1:]
+
+    def _grammar_jobs(self) -> GrammarJobs:
+        if self.grammar_jobs is None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs a tokenizer, and this model "
                                           "has none", param="response_format")
-            from muse.engine.structured_output import GrammarCompiler
+            from muse.engine.grammar_cache import GrammarCache
+            from muse.engine.grammar_compiler import GrammarCompiler
 
+            num_threads = self.args.grammar_compile_threads
             self.runner.grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.config.vocab_size, list(self.eos_token_ids))
-        return self.runner.grammar_compiler
+                self.tokenizer, self.config.vocab_size, list(self.eos_token_ids),
+                max_threads=threads_per_compile(num_threads))
+            self.grammar_jobs = GrammarJobs(self.runner.grammar_compiler,
+                                            GrammarCache(self.args.grammar_cache_bytes),
+                                            num_threads, self.args.grammar_compile_timeout_s)
+        return self.grammar_jobs
+
+    def _take_compiled_grammars(self) -> list[Request]:
+        """Queue the requests whose grammar is ready; fail those whose compile failed.
+        Returns the failed samples."""
+        collected = set(self.grammar_jobs.collect())
+        failed = []
+        for group_id, job in list(self.grammar_waiting.items()):
+            if job not in collected:
+                continue
+            del self.grammar_waiting[group_id]
+            samples = self.requests[group_id]
+            if job.error is None:
+                self._queue(samples, job.compiled)
+                continue
+            for sample in samples:
+                sample.error = job.error
+                self.scheduler.finish(sample, RequestStatus.FINISHED, "error")
+            del self.requests[group_id]
+            failed += samples
+        return failed
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks now."""
+        job = self.grammar_waiting.pop(request_id, None)
+        if job is not None and job not in self.grammar_waiting.values():
+            self.grammar_jobs.cancel(job)
         for request in self.requests.pop(request_id, []):
             self.pending_siblings.pop(request.request_id, None)
             if not request.is_finished:
@@ -216,9 +270,17 @@ class EngineCore:
 
         With the overlapped schedule the step is launched before the previous one is read
         back, so the host's bookkeeping runs while the device computes, and the requests
-        returned are those of the previous step."""
+        returned are those of the previous step. Requests whose grammar failed to compile
+        are returned finished, with `error` set."""
+        # Collected even when nobody waits: a compile whose requests were aborted still
+        # ends up in the bounded cache, not held outside it.
+        failed = self._take_compiled_grammars() \
+            if self.grammar_jobs is not None and self.grammar_jobs.has_pending else []
         previous, self.in_flight = self.in_flight, None
         output = self.scheduler.schedule()
+        if not output.scheduled and previous is None and self.grammar_waiting and not failed:
+            self.grammar_jobs.wait(GRAMMAR_WAIT_S)
+            return []
         launched = self._launch(output.scheduled, previous) if output.scheduled else None
         changed = self._resolve(previous) if previous is not None else []
         if launched is not None:
@@ -227,7 +289,8 @@ class EngineCore:
                 self.in_flight = launched
             else:
                 changed += self._resolve(launched)
-        return list(dict.fromkeys(changed))  # a request in both steps is reported once
+        # A request in both steps is reported once.
+        return failed + list(dict.fromkeys(changed))
 
     def _launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None
                 ) -> LaunchedStep:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams
 
 
@@ -59,7 +60,10 @@ class Request:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
-    grammar: Any = None  # xgrammar matcher when the output is constrained
+    grammar: Any = None  # its RequestGrammar when the output is constrained
+    # Why the request failed after admission (its grammar did not compile); it then finishes
+    # with reason "error" and the server answers with this error instead of output.
+    error: InvalidRequestError | None = None
     # Output tokens sampled by steps whose results are not read back yet: counted in
     # `num_tokens`, not yet in `output_token_ids` (two for a moment: the engine launches a
     # step before it reads back the one before).

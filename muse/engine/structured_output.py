@@ -1,23 +1,42 @@
-"""Constrained decoding with xgrammar: JSON, JSON Schema, and forced tool calls.
+"""What a constrained request's output must match: JSON, JSON Schema, or forced tool calls.
 
-A request's constraint is compiled once at admission (a bad schema is refused there) and each
-sample gets its own matcher. Before sampling, the matcher's token bitmask removes every token
-the grammar does not allow; after sampling the token is fed to the matcher. When the grammar
-is complete only the model's stop tokens remain allowed, so generation ends there.
+The spec travels inside SamplingParams from the front end to the engine, so it holds only JSON
+text and plain values. Its size and nesting depth are checked where it is built (a 400 before
+anything is queued) and again at admission against the engine's limits; the engine compiles it
+off its loop (`grammar_jobs.py`) and gives each sample a matcher (`grammar_matcher.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Literal
-
-import torch
 
 from muse.engine.errors import InvalidRequestError
 
 # With parallel tool calls a forced reply may hold this many calls.
 MAX_FORCED_TOOL_CALLS = 4
+# JSON text of a schema (or of all tools together); the engine's limit is
+# `EngineArgs.max_grammar_bytes`, which defaults to this.
+DEFAULT_MAX_GRAMMAR_BYTES = 256 * 1024
+# Nesting of objects and arrays in a schema document. Real schemas stay far below; deeper
+# ones only cost compile time (400 levels: 13 s) and, past Python's limit, a RecursionError.
+MAX_SCHEMA_DEPTH = 64
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]")
+
+
+class StructuredOutputError(InvalidRequestError):
+    """A constraint the engine cannot serve; `status` is the HTTP status the server answers
+    with (400, or 503 when the compiler is too busy to start it in time)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        super().__init__(message, param=param)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -27,24 +46,94 @@ class StructuredOutput:
     kind "json": any JSON object; "json_schema": `schema`; "tool_calls": one tool call (or up
     to MAX_FORCED_TOOL_CALLS when `parallel`) to one of `tools` (OpenAI function definitions),
     in the chat format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    `reasoning_start_token_id` / `reasoning_end_token_id`: a reply that opens with the start
+    token holds a reasoning block, which the end token closes; the constraint applies from the
+    token after it (from the first token when the reply opens otherwise, or when the prompt
+    already ends with the end token, as when thinking is disabled).
     """
 
     kind: Literal["json", "json_schema", "tool_calls"]
     schema: str | None = None  # JSON text, so the spec stays hashable for the compile cache
     tools: tuple[str, ...] = field(default_factory=tuple)  # JSON text of each function
     parallel: bool = False
+    reasoning_start_token_id: int | None = None
+    reasoning_end_token_id: int | None = None
+
+    @property
+    def field_name(self) -> str:
+        """The request field a problem with this constraint is reported against."""
+        return "tools" if self.kind == "tool_calls" else "response_format"
+
+    @property
+    def grammar_key(self) -> StructuredOutput:
+        """What the compiled grammar depends on: the reasoning gate is per request."""
+        return dataclasses.replace(self, reasoning_start_token_id=None,
+                                   reasoning_end_token_id=None)
+
+    def check(self, max_bytes: int) -> None:
+        """Size and depth limits, from the JSON text alone (no parsing, no recursion)."""
+        texts = [self.schema] if self.schema is not None else list(self.tools)
+        _check_size(sum(len(t.encode()) for t in texts), max_bytes, self.field_name)
+        for text in texts:
+            _check_depth(json_text_depth(text), self.field_name)
 
     @staticmethod
-    def for_schema(schema: dict[str, Any]) -> StructuredOutput:
-        return StructuredOutput("json_schema",
-                                schema=json.dumps(bounded_strings_as_patterns(schema),
-                                                  sort_keys=True))
+    def for_schema(schema: dict[str, Any], max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+                   ) -> StructuredOutput:
+        _check_depth(nesting_depth(schema, MAX_SCHEMA_DEPTH), "response_format")
+        text = json.dumps(bounded_strings_as_patterns(schema), sort_keys=True)
+        _check_size(len(text.encode()), max_bytes, "response_format")
+        return StructuredOutput("json_schema", schema=text)
 
     @staticmethod
-    def for_tools(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
-        return StructuredOutput("tool_calls", tools=tuple(json.dumps(f, sort_keys=True)
-                                                          for f in functions),
-                                parallel=parallel)
+    def for_tools(functions: list[dict[str, Any]], parallel: bool,
+                  max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> StructuredOutput:
+        for function in functions:
+            _check_depth(nesting_depth(function, MAX_SCHEMA_DEPTH), "tools")
+        texts = tuple(json.dumps(f, sort_keys=True) for f in functions)
+        _check_size(sum(len(t.encode()) for t in texts), max_bytes, "tools")
+        return StructuredOutput("tool_calls", tools=texts, parallel=parallel)
+
+
+def _check_size(num_bytes: int, max_bytes: int, field_name: str) -> None:
+    if num_bytes > max_bytes:
+        raise StructuredOutputError(
+            f"`{field_name}` is too large to compile: its JSON schema text is {num_bytes:,} "
+            f"bytes, over the limit of {max_bytes:,}", param=field_name)
+
+
+def _check_depth(depth: int, field_name: str) -> None:
+    if depth > MAX_SCHEMA_DEPTH:
+        raise StructuredOutputError(
+            f"`{field_name}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep",
+            param=field_name)
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """Levels of dicts and lists in `value`, counted without recursion; stops once past
+    `limit` (the answer is then limit + 1)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def json_text_depth(text: str) -> int:
+    """Levels of objects and arrays in a JSON text, brackets inside strings ignored."""
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(1 if b in "[{" else -1 for b in brackets), default=0)
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
@@ -52,7 +141,8 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
 
     xgrammar 0.2.9 lets raw control characters into length-bounded strings (invalid JSON);
     the pattern it builds for `[^"\\\x00-\x1f]{m,n}` does not. Such strings then hold no
-    escape sequences, which only narrows what the model may write.
+    escape sequences, which only narrows what the model may write. Recursive: callers check
+    the depth first.
     """
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(item) for item in schema]
@@ -66,73 +156,3 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
         high = rewritten.pop("maxLength", "")
         rewritten["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
     return rewritten
-
-
-def _tool_call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": f["name"]},
-                       "arguments": f.get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for f in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-class GrammarCompiler:
-    """Compiles constraints against one tokenizer's vocabulary (cached per constraint)."""
-
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        import xgrammar
-
-        self.xgr = xgrammar
-        # The model's vocabulary may be larger than the tokenizer's (padding rows).
-        vocab = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-        info = xgrammar.TokenizerInfo(vocab, vocab_type=xgrammar.VocabType.BYTE_LEVEL,
-                                      vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgrammar.GrammarCompiler(info)
-        self.vocab_size = vocab_size
-        self._cache: dict[StructuredOutput, Any] = {}
-
-    def compile(self, spec: StructuredOutput):
-        if spec not in self._cache:
-            self._cache[spec] = self._compile(spec)
-        return self._cache[spec]
-
-    def _compile(self, spec: StructuredOutput):
-        xgr = self.xgr
-        try:
-            if spec.kind == "json":
-                return self.compiler.compile_builtin_json_grammar()
-            if spec.kind == "json_schema":
-                return self.compiler.compile_json_schema(spec.schema, any_whitespace=False)
-            functions = [json.loads(t) for t in spec.tools]
-            call = xgr.Grammar.from_json_schema(json.dumps(_tool_call_schema(functions)),
-                                                any_whitespace=False)
-            tagged = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>"'), call,
-                                        xgr.Grammar.from_ebnf('root ::= "</tool_call>"'))
-            counts = range(1, (MAX_FORCED_TOOL_CALLS if spec.parallel else 1) + 1)
-            grammar = xgr.Grammar.union(*[xgr.Grammar.concat(*[tagged] * n) for n in counts]) \
-                if spec.parallel else tagged
-            return self.compiler.compile_grammar(grammar)
-        except (RuntimeError, ValueError) as error:
-            field_name = "tools" if spec.kind == "tool_calls" else "response_format"
-            raise InvalidRequestError(f"cannot build a grammar from `{field_name}`: {error}",
-                                      param=field_name) from None
-
-    def matcher(self, spec: StructuredOutput):
-        return self.xgr.GrammarMatcher(self.compile(spec))
-
-    def apply(self, logits: torch.Tensor, matchers: list) -> None:
-        """Mask, in place, the tokens each row's matcher forbids (rows with None are free)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
-        bitmask = self.xgr.allocate_token_bitmask(len(logits), self.vocab_size)
-        bitmask.fill_(-1)  # all tokens allowed on unconstrained rows
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
-        cpu_logits = logits.cpu() if logits.device.type != "cpu" else logits
-        self.xgr.apply_token_bitmask_inplace(cpu_logits, bitmask, vocab_size=self.vocab_size)
-        if cpu_logits is not logits:
-            logits.copy_(cpu_logits)

@@ -51,7 +51,8 @@ class EngineLoop:
         return EngineReady(model=engine.args.model, vocab_size=engine.config.vocab_size,
                            max_model_len=engine.max_model_len,
                            max_num_seqs=engine.args.max_num_seqs,
-                           eos_token_ids=list(engine.eos_token_ids))
+                           eos_token_ids=list(engine.eos_token_ids),
+                           max_grammar_bytes=engine.args.max_grammar_bytes)
 
     def _handle(self, command) -> list:
         if isinstance(command, AddRequest):

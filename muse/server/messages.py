@@ -6,6 +6,7 @@ import msgspec
 
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
+from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -58,6 +59,9 @@ class EngineReady(msgspec.Struct, tag=True):
     max_model_len: int
     max_num_seqs: int
     eos_token_ids: list[int]
+    # The engine's limit on a schema's (or the tools') JSON text, so the front end refuses
+    # larger ones before queueing them.
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -55,7 +55,8 @@ def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
     return 4 * 2**20 + max_model_len * max(8, max_token_bytes)
 
 
-def structured_output_for(response_format: ResponseFormat | None) -> StructuredOutput | None:
+def structured_output_for(response_format: ResponseFormat | None, ready: EngineReady
+                          ) -> StructuredOutput | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
@@ -64,7 +65,8 @@ def structured_output_for(response_format: ResponseFormat | None) -> StructuredO
         raise APIError(400, "`response_format.json_schema.schema` is required for type "
                             "json_schema", param="response_format.json_schema")
     with invalid_request_as_400():
-        return StructuredOutput.for_schema(response_format.json_schema.schema_)
+        return StructuredOutput.for_schema(response_format.json_schema.schema_,
+                                           max_bytes=ready.max_grammar_bytes)
 
 
 @contextmanager
@@ -132,7 +134,7 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
                                            and options.tool_call_parser):
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                             "--tool-call-parser", param="tool_choice")
-    structured = structured_output_for(request.response_format)
+    structured = structured_output_for(request.response_format, ready)
     if choice == "required" or not isinstance(choice, str):
         if structured is not None:
             raise APIError(400, "`response_format` cannot be combined with a forced tool call",
@@ -145,7 +147,8 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
                                     "not among `tools`", param="tool_choice")
         with invalid_request_as_400():
             structured = StructuredOutput.for_tools(
-                functions, parallel=choice == "required" and request.parallel_tool_calls)
+                functions, parallel=choice == "required" and request.parallel_tool_calls,
+                max_bytes=ready.max_grammar_bytes)
     prompt = render_chat(request.messages, tools if choice != "none" else None,
                          request.add_generation_prompt, request.chat_template_kwargs,
                          tokenizer, ready, options)
@@ -156,7 +159,8 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
     if structured is not None and reasoning:
         # As in vLLM, the grammar constrains the reply after its reasoning block (from the
         # start when the prompt closed the block: the engine checks the prompt's tail).
-        structured = dataclasses.replace(structured, reasoning_end_token_id=THINK_END_ID)
+        structured = dataclasses.replace(structured, reasoning_start_token_id=THINK_START_ID,
+                                         reasoning_end_token_id=THINK_END_ID)
     params.structured_output = structured
     return ChatPlan(prompt, params, parse_reasoning=reasoning,
                     parse_tools=choice != "none" and (options.tool_call_parser == "muse"
@@ -286,5 +290,5 @@ def plan_completion(request: CompletionRequest, prompt: list[int], ready: Engine
     if request.suffix is not None:
         raise APIError(400, "`suffix` is not supported", param="suffix")
     params = _params(request, prompt, request.max_tokens, ready, options, request.logprobs)
-    params.structured_output = structured_output_for(request.response_format)
+    params.structured_output = structured_output_for(request.response_format, ready)
     return params

@@ -252,7 +252,7 @@ def test_the_grammar_cache_evicts_least_recently_used_by_bytes():
     cache.put("huge", grammar(101))  # larger than the whole bound: not kept
     assert "huge" not in cache and cache.num_bytes == 80
     cache.put("d", grammar(100))
-    assert list(cache._entries) == ["d"] and cache.num_bytes == 100
+    assert len(cache) == 1 and "d" in cache and cache.num_bytes == 100
 
 
 def test_the_engine_keeps_compiled_grammars_within_its_byte_bound():

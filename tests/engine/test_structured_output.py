@@ -9,7 +9,7 @@ import json
 import pytest
 
 from muse import LLM, SamplingParams
-from muse.chat_format import THINK_END_ID
+from muse.chat_format import THINK_START_ID, THINK_END_ID
 from muse.engine.structured_output import StructuredOutput
 from tests.engine.helpers import random_prompt, tiny_llm
 
@@ -48,9 +48,12 @@ def test_json_object_output_is_compact(llm, seed):
     """Whitespace tokens pushed up as far as they go: the json_object grammar still allows
     only the one space after each `:` and `,` (the layout of json_schema outputs)."""
     tokenizer = llm.tokenizer
-    spaces = [i for i in range(32, tokenizer.vocab_size) if tokenizer.decode([i]).isspace()]
+    texts = {i: tokenizer.decode([i]) for i in range(32, tokenizer.vocab_size)}
+    spaces = {i: 8.0 for i, text in texts.items() if text.isspace()}
+    # Tokens such as `{"` would skip the place after the brace where whitespace could go.
+    merged = {i: -100.0 for i, text in texts.items() if text.startswith("{") and text != "{"}
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=48,
-                            logit_bias={i: 8.0 for i in spaces},
+                            logit_bias={**spaces, **merged},
                             structured_output=StructuredOutput("json"))
     [output] = llm.generate([random_prompt(8, seed)], params, use_tqdm=False)
     text = output.outputs[0].text
@@ -60,14 +63,18 @@ def test_json_object_output_is_compact(llm, seed):
 
 
 # ---- reasoning, then the grammar ------------------------------------------------------
-def reasoning_params(llm: LLM, reasoning_end_token_id: int | None) -> SamplingParams:
-    """Greedy decoding pushed to write "Z" (not JSON) and, once a few Z's have worn their bias
-    down (frequency penalty), the end of the reasoning block."""
+def reasoning_params(llm: LLM, reasoning: bool, open_block: bool = True) -> SamplingParams:
+    """Greedy decoding pushed to open a reasoning block (when `open_block`), write "Z" (not
+    JSON) and, once a few Z's have worn their bias down (frequency penalty), end the block."""
     z = llm.tokenizer.token_to_id("Z")
-    spec = dataclasses.replace(StructuredOutput.for_schema(ANSWER_SCHEMA),
-                               reasoning_end_token_id=reasoning_end_token_id)
+    spec = StructuredOutput.for_schema(ANSWER_SCHEMA)
+    if reasoning:
+        spec = dataclasses.replace(spec, reasoning_start_token_id=THINK_START_ID,
+                                   reasoning_end_token_id=THINK_END_ID)
+    # Enough to open the block over any JSON start, not enough to reopen it inside.
+    bias = {z: 30.0, THINK_END_ID: 20.0, THINK_START_ID: 15.0 if open_block else -20.0}
     return SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=2.0,
-                          logit_bias={z: 30.0, THINK_END_ID: 20.0}, structured_output=spec)
+                          logit_bias=bias, structured_output=spec)
 
 
 def accepted_by_grammar(llm: LLM, token_ids: list[int]) -> bool:
@@ -80,12 +87,12 @@ def accepted_by_grammar(llm: LLM, token_ids: list[int]) -> bool:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_grammar_applies_after_the_reasoning_block(llm, seed):
     z = llm.tokenizer.token_to_id("Z")
-    [output] = llm.generate([random_prompt(8, seed)], reasoning_params(llm, THINK_END_ID),
+    [output] = llm.generate([random_prompt(8, seed)], reasoning_params(llm, True),
                             use_tqdm=False)
     tokens = output.outputs[0].token_ids
     end = tokens.index(THINK_END_ID)
-    # Free before the end tag: Z is no way to start JSON.
-    assert end > 0 and tokens[:end] == [z] * end
+    # The first token may open the block; inside it, free: Z is no way to start JSON.
+    assert tokens[0] == THINK_START_ID and end > 1 and tokens[1:end] == [z] * (end - 1)
     assert not accepted_by_grammar(llm, [z])
     # Constrained after it: the answer is the schema's, whole.
     answer = tokens[end + 1:]
@@ -94,16 +101,17 @@ def test_the_grammar_applies_after_the_reasoning_block(llm, seed):
     assert set(json.loads(llm.tokenizer.decode(answer[:-1]))) == {"answer"}
 
 
-@pytest.mark.parametrize("prompt_end, reasoning_end_token_id", [
-    ([THINK_END_ID], THINK_END_ID),  # thinking disabled: the prompt closed the block
-    ([], None),  # no reasoning block expected
-], ids=["prompt-closes-the-block", "no-reasoning"])
+@pytest.mark.parametrize("prompt_end, reasoning, open_block", [
+    ([THINK_END_ID], True, True),  # thinking disabled: the prompt closed the block
+    ([], True, False),  # the reply does not open a block: constrained from its first token
+    ([], False, True),  # no reasoning block expected: <think> is no JSON
+], ids=["prompt-closes-the-block", "reply-opens-no-block", "no-reasoning"])
 def test_the_grammar_applies_from_the_start_without_a_block_to_wait_for(
-        llm, prompt_end, reasoning_end_token_id):
+        llm, prompt_end, reasoning, open_block):
     [output] = llm.generate([random_prompt(8, 0) + prompt_end],
-                            reasoning_params(llm, reasoning_end_token_id), use_tqdm=False)
+                            reasoning_params(llm, reasoning, open_block), use_tqdm=False)
     tokens = output.outputs[0].token_ids
-    assert THINK_END_ID not in tokens
+    assert THINK_START_ID not in tokens and THINK_END_ID not in tokens
     assert accepted_by_grammar(llm, tokens)
     assert set(json.loads(llm.tokenizer.decode(tokens[:-1]))) == {"answer"}
 
@@ -115,8 +123,8 @@ def test_reasoning_then_grammar_gives_the_same_tokens_with_and_without_overlap()
     outputs = []
     for overlap in (True, False):
         llm = tiny_llm(overlap_schedule=overlap)
-        params = [reasoning_params(llm, THINK_END_ID), SamplingParams(max_tokens=12, seed=4),
-                  reasoning_params(llm, None)]
+        params = [reasoning_params(llm, True), SamplingParams(max_tokens=12, seed=4),
+                  reasoning_params(llm, False)]
         outputs.append([o.outputs[0].token_ids
                         for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
