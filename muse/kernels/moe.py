@@ -21,6 +21,11 @@ Data flow of the Triton path (the T*k (token, slot) pairs are "pairs"; pair p = 
 4. combine, one program per token: RMSNorm of each slot's y row times norm_weight[e], times the
    routing weight, summed over the k slots, written in x's dtype.
 
+Between steps 3 and 4 an optional `reduce_pairs` hook may replace y (float32 [T*k, L], pair
+order). Tensor parallelism splits each expert's intermediate width over ranks, so every rank's
+y is a partial sum of the down projection; the expert's RMSNorm is not linear, so those
+partials must be summed (all-reduced) per pair before the norm, not after the combine.
+
 At decode sizes (T*k <= min(64, E), `moe_triton.use_one_pair_per_block`) step 1 is skipped:
 each pair is an M block of its own, whose expert the GEMMs read from expert_ids directly, so the
 call is three kernel launches and nothing else.
@@ -28,24 +33,35 @@ call is three kernel launches and nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+# y (float32 [T*k, L], pair order) -> the tensor the combine reads, of the same shape and
+# dtype (in place or new). Inside a captured decode step it must be capturable itself (an
+# NCCL all-reduce is).
+PairReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
-                  eps: float) -> torch.Tensor:
+                  eps: float, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """x [T, L], weights [T, k] float32, expert_ids [T, k] -> [T, L] in x.dtype.
 
     gate_up [E, 2I, L] (gate rows first, then up rows), down [E, L, I], norm_weight [E, L].
+    reduce_pairs: applied to the per-pair down-projection outputs before the expert norms
+    (the TP all-reduce of partial sums); None computes exactly what it did without it.
     """
     fn = fused_experts_triton if x.is_cuda else fused_experts_torch
-    return fn(x, weights, expert_ids, gate_up, down, norm_weight, eps)
+    return fn(x, weights, expert_ids, gate_up, down, norm_weight, eps,
+              reduce_pairs=reduce_pairs)
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor,
-                        norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+                        norm_weight: torch.Tensor | None, eps: float,
+                        reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
 
     It rounds where the kernels round: h in the activation dtype, everything after the second
@@ -67,6 +83,8 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
         gate_up_out = (x[pairs // top_k] @ gate_up[expert].t()).float()
         h = (F.silu(gate_up_out[:, :inter]) * gate_up_out[:, inter:]).to(x.dtype)
         y[pairs] = (h @ down[expert].t()).float()
+    if reduce_pairs is not None:
+        y = reduce_pairs(y)
     if norm_weight is not None:
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
         y = y * norm_weight[flat].float()
@@ -77,7 +95,8 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                          gate_up: torch.Tensor, down: torch.Tensor,
                          norm_weight: torch.Tensor | None, eps: float,
-                         one_pair_per_block: bool | None = None) -> torch.Tensor:
+                         one_pair_per_block: bool | None = None,
+                         reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The Triton path: no host synchronisation, static shapes, CUDA-graph capturable.
 
     one_pair_per_block: None lets the number of pairs choose between the aligned path and the
@@ -87,7 +106,8 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: tor
     from muse.kernels import moe_triton
 
     return moe_triton.fused_experts(x, weights, expert_ids, gate_up, down, norm_weight, eps,
-                                    one_pair_per_block=one_pair_per_block)
+                                    one_pair_per_block=one_pair_per_block,
+                                    reduce_pairs=reduce_pairs)
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:

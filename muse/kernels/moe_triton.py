@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.moe import align_pairs
+from muse.kernels.moe import PairReduce, align_pairs
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,8 @@ def _combine_kernel(
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
                   eps: float, one_pair_per_block: bool | None = None,
-                  tiles: Tiles | None = None) -> torch.Tensor:
+                  tiles: Tiles | None = None,
+                  reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
 
     one_pair_per_block: None picks the mode from the number of pairs
@@ -305,6 +306,12 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
         num_warps=warps, num_stages=stages,
     )
+
+    if reduce_pairs is not None:
+        # Every y row is written above (each real pair once, in both modes), so a reduction
+        # over ranks sees no uninitialised rows. The combine reads rows with unit column
+        # stride; a contiguous result (the usual case) is not copied.
+        y = reduce_pairs(y).contiguous()
 
     has_norm = norm_weight is not None
     norm = y  # any pointer; never read without norm

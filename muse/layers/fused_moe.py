@@ -1,0 +1,210 @@
+"""The routed experts of a latent MoE layer, sharded over tensor or expert parallelism.
+
+    out[t] = sum_j w[t, j] * norm_e(down_e @ swiglu(gate_up_e @ x[t])),  e = ids[t, j]
+
+Parameters (names and layout of the checkpoint's `mlp.experts.*`, gate rows before up rows):
+`gate_up_proj` [E_local, 2 * I_local, L], `down_proj` [E_local, L, I_local] (created by the
+quant method) and `norm_weight` [E_local, L] (each expert's RMSNorm, when the model has them).
+
+Two ways to shard, chosen by the parallel config:
+
+* TP (default): every rank holds every expert and 1/tp of each one's intermediate width, so
+  each rank's down projection is a partial sum. The expert norm is not linear, so the
+  partial (token, expert) outputs are all-reduced over TP *before* the norm, inside
+  `fused_experts` (its `reduce_pairs` hook): k times the bytes of reducing the combined
+  output, the price of a norm per expert. After it every rank holds the full result.
+* EP (`enable_expert_parallel`): rank r of the EP group holds whole experts
+  [r * E/ep, (r + 1) * E/ep), intermediate unsplit. Each rank computes its experts' share of
+  every token and the shares are summed by an all-reduce over the EP group. This needs every
+  rank of the EP group to hold the same tokens (EP group = TP group); the all-to-all dispatch
+  that DP + EP needs comes later.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from muse.distributed.parallel_state import get_ep_group, get_parallel_config, get_tp_group
+from muse.layers.lazy_slice import LazySlice, copy_into
+from muse.layers.quantization import QuantizationConfig, moe_method, set_weight_attrs
+
+# Hugging Face Qwen3-MoE stores one matrix per expert projection,
+# `...mlp.experts.{e}.{gate,up,down}_proj.weight`; each loads into a fused parameter.
+PER_EXPERT_PROJECTIONS: dict[str, tuple[str, str]] = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", "down"),
+}
+_PER_EXPERT_NAME = re.compile(r"^(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)"
+                              r"\.weight$")
+_PROJECTION_SHARDS = {"gate_up": ("gate", "up"), "down": ("down",)}
+
+
+def per_expert_target(name: str) -> tuple[str, int, str] | None:
+    """`{e}.gate_proj.weight` (a name relative to the experts module) -> (parameter name,
+    expert_id, shard_id) for `FusedMoE.weight_loader`; None for any other name."""
+    match = _PER_EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    param_name, shard_id = PER_EXPERT_PROJECTIONS[match["projection"]]
+    return param_name, int(match["expert"]), shard_id
+
+
+class FusedMoE(nn.Module):
+    """forward(x [T, L], topk_weights [T, k] float32, topk_ids [T, k] global expert ids)
+    -> [T, L], the same full result on every rank.
+
+    hidden_size: the experts' input and output width (the latent width of a latent MoE).
+    expert_norm: give each expert its own RMSNorm (weight `norm_weight`, epsilon `eps`).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 expert_norm: bool = True, eps: float = 1e-6,
+                 params_dtype: torch.dtype | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        config = get_parallel_config()
+        self.prefix = prefix
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.eps = eps
+        if config.enable_expert_parallel:
+            if config.expert_parallel_size != config.tensor_parallel_size:
+                raise ValueError(
+                    "expert parallelism needs the same tokens on every rank of the EP group "
+                    "until the all-to-all dispatch exists: data_parallel_size and "
+                    "prefill_context_parallel_size must be 1 with enable_expert_parallel, got "
+                    f"{config.data_parallel_size} and {config.prefill_context_parallel_size}")
+            self.ep_group = get_ep_group()
+            self.tp_group = None
+            self.tp_size, self.tp_rank = 1, 0
+        else:
+            self.ep_group = None
+            self.tp_group = get_tp_group()
+            self.tp_size, self.tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
+        self.ep_size = self.ep_group.world_size if self.ep_group is not None else 1
+        self.ep_rank = self.ep_group.rank_in_group if self.ep_group is not None else 0
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert "
+                             f"parallel size ({self.ep_size})")
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) must be divisible "
+                             f"by the tensor parallel size ({self.tp_size})")
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_start = self.ep_rank * self.num_local_experts
+        self.intermediate_size_per_partition = intermediate_size // self.tp_size
+        dtype = params_dtype or torch.get_default_dtype()
+
+        self.quant_method = moe_method(quant_config, self, prefix)
+        self.quant_method.create_weights(self, self.num_local_experts, hidden_size,
+                                         self.intermediate_size_per_partition, dtype,
+                                         weight_loader=self.weight_loader)
+        if expert_norm:
+            # The norm scales whole latent rows: never quantized, never split but by expert.
+            self.norm_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size,
+                                                        dtype=dtype), requires_grad=False)
+            set_weight_attrs(self.norm_weight, weight_loader=self.weight_loader)
+        else:
+            self.register_parameter("norm_weight", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None,
+                      expert_id: int | None = None) -> None:
+        """Load this rank's part of a checkpoint tensor into `param`.
+
+        expert_id None: `loaded` is the stacked tensor of all experts ([E, 2I, L] for
+        `gate_up_proj`, gate rows first; [E, L, I] for `down_proj`; [E, L] for
+        `norm_weight`), shard_id None. expert_id e: one expert's tensor, with shard_id "gate"
+        or "up" ([I, L]) or "down" ([L, I]); experts another EP rank holds are skipped.
+        """
+        name = self._name(param)
+        source = LazySlice.of(loaded)
+        target = param.data
+        if expert_id is None:
+            if source.shape[0] != self.num_experts:
+                raise ValueError(f"{name}: the stacked checkpoint tensor of shape "
+                                 f"{source.shape} must have {self.num_experts} experts first")
+            source = source.narrow(0, self.expert_start, self.num_local_experts)
+            expert_dims = 1
+        else:
+            if not 0 <= expert_id < self.num_experts:
+                raise ValueError(f"{name}: expert_id must be in [0, {self.num_experts}), got "
+                                 f"{expert_id}")
+            local = expert_id - self.expert_start
+            if not 0 <= local < self.num_local_experts:
+                return
+            target = target[local]
+            expert_dims = 0
+
+        projection = getattr(param, "moe_projection", None)
+        if projection is None:
+            if shard_id is not None:
+                raise ValueError(f"{name} is not split into parts: shard_id must be None, got "
+                                 f"{shard_id!r}")
+            copy_into(target, source, name)
+            return
+        shards = _PROJECTION_SHARDS[projection]
+        if shard_id is None and len(shards) == 1:
+            shard_id = shards[0]
+        if shard_id is not None and shard_id not in shards:
+            raise ValueError(f"shard_id for {name} must be one of {shards}, got {shard_id!r}")
+        if getattr(param, "per_shard", False):
+            if shard_id is None:
+                raise ValueError(f"{name} holds one value per part: load each part's value "
+                                 f"with its shard_id")
+            copy_into(target.select(expert_dims, shards.index(shard_id)), source, name)
+            return
+        # The intermediate features: the output rows of gate/up, the input columns of down.
+        dim = getattr(param, "output_dim" if projection == "gate_up" else "input_dim")
+        dim += expert_dims - 1
+        if shard_id is None:
+            # A stacked gate_up: gate half then up half along the intermediate dimension.
+            half = source.shape[dim] // 2
+            for index, part in enumerate(shards):
+                self._load_part(target, source.narrow(dim, index * half, half), dim, index,
+                                len(shards), name)
+            return
+        self._load_part(target, source, dim, shards.index(shard_id), len(shards), name)
+
+    def _load_part(self, target: torch.Tensor, source: LazySlice, dim: int, index: int,
+                   num_parts: int, name: str) -> None:
+        """Part `index` of `num_parts` along `dim` of target <- this rank's TP slice of the
+        part's full checkpoint tensor (stored widths, so packed formats need nothing more)."""
+        width = target.shape[dim] // num_parts
+        copy_into(target.narrow(dim, index * width, width),
+                  source.narrow(dim, self.tp_rank * width, width), name)
+
+    def _name(self, param: nn.Parameter) -> str:
+        name = next((key for key, value in self._parameters.items() if value is param), "?")
+        return f"{self.prefix}.{name}" if self.prefix else f"FusedMoE.{name}"
+
+    def _all_reduce_pairs(self, y: torch.Tensor) -> torch.Tensor:
+        assert self.tp_group is not None
+        return self.tp_group.all_reduce(y)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            # Experts are contiguous per rank, so a global id modulo the local count is its
+            # local id here. Pairs of other ranks' experts run on a local expert with weight
+            # 0 (static shapes, no host sync; their compute is wasted until the kernels
+            # learn to skip non-local pairs).
+            is_local = topk_ids // self.num_local_experts == self.ep_rank
+            topk_weights = torch.where(is_local, topk_weights, 0.0)
+            topk_ids = topk_ids % self.num_local_experts
+        reduce_pairs = self._all_reduce_pairs if self.tp_size > 1 else None
+        out = self.quant_method.apply(self, x, topk_weights, topk_ids, reduce_pairs=reduce_pairs)
+        if self.ep_size > 1:
+            assert self.ep_group is not None
+            out = self.ep_group.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_local_experts}/{self.num_experts} (from "
+                f"{self.expert_start}), hidden={self.hidden_size}, intermediate="
+                f"{self.intermediate_size_per_partition}/{self.intermediate_size}, "
+                f"tp={self.tp_size}, ep={self.ep_size}, norm={self.norm_weight is not None}")
