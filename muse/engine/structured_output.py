@@ -21,7 +21,7 @@ from muse.engine.errors import InvalidRequestError
 MAX_FORCED_TOOL_CALLS = 4
 # JSON text of a schema (or of all tools together); the engine's limit is
 # `EngineArgs.max_grammar_bytes`, which defaults to this.
-DEFAULT_MAX_GRAMMAR_BYTES = 256 * 1024
+DEFAULT_MAX_GRAMMAR_BYTES = 2**20  # a 30k-value enum is about 300 KB
 # Nesting of objects and arrays in a schema document. Real schemas stay far below; deeper
 # ones only cost compile time (400 levels: 13 s) and, past Python's limit, a RecursionError.
 MAX_SCHEMA_DEPTH = 64

@@ -173,3 +173,27 @@ def test_concurrent_arrivals_cannot_overfill_the_queue(guarded_server):
     assert len(served) + len(refused) == 8, outcomes
     # One runs (max_num_seqs 1) and one waits: at most two can be admitted at once.
     assert 1 <= len(served) <= 2 and refused
+
+
+def test_a_huge_enum_schema_compiles_while_others_decode(server):
+    """A 30k-value enum takes seconds to compile; it must not stall anyone else."""
+    enum = {"type": "object", "required": ["v"], "additionalProperties": False,
+            "properties": {"v": {"enum": [f"value-{i}" for i in range(30_000)]}}}
+    with server.client() as client, ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(
+            client.chat.completions.create, model=MODEL, max_tokens=8,
+            messages=[{"role": "user", "content": "pick"}],
+            # Thinking off: the grammar holds from the first token (no reasoning block).
+            extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "v", "schema": enum}})
+        time.sleep(0.5)  # the schema is in the engine, compiling
+        start = time.monotonic()
+        quick = client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                          extra_body={"ignore_eos": True})
+        elapsed = time.monotonic() - start
+        assert quick.usage.completion_tokens == 4
+        assert not slow.done(), "the compile finished before the check: not a test"
+        assert elapsed < 2.0, f"a 4-token request took {elapsed:.1f} s beside the compile"
+        # It then runs as usual (8 tokens may not close the object: only its start is JSON).
+        assert '{"v": "value-'.startswith(slow.result().choices[0].message.content[:13])
