@@ -46,6 +46,18 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
 DEFAULT_MODEL = default_model()
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends a flag's help with "(default: VALUE)" where the default is a value. Flags without
+    an argument, and flags whose default is None, state their default in words instead:
+    "(default: off)", "(default: the model's maximum)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "(default: " in help_text or action.default is None or action.nargs == 0:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
             "seed": args.seed, "enforce_eager": args.enforce_eager,
@@ -87,9 +99,16 @@ def cmd_chat(args: argparse.Namespace) -> None:
             except EOFError:
                 return
         messages.append({"role": "user", "content": text})
-        output = llm.chat(messages, _sampling(args))[0].outputs[0]
+        output = llm.chat(messages, _sampling(args), use_tqdm=False)[0].outputs[0]
+        if output.reasoning_content:
+            thinking = "\n".join(f"thinking: {line}"
+                                  for line in output.reasoning_content.splitlines())
+            # Dimmed on a terminal so the answer stands out; the prefix marks it in pipes.
+            print(f"\033[2m{thinking}\033[0m" if sys.stdout.isatty() else thinking)
         print(output.text)
-        messages.append({"role": "assistant", "content": output.text})
+        # The template renders reasoning_content back as the turn's think block.
+        messages.append({"role": "assistant", "content": output.text,
+                         "reasoning_content": output.reasoning_content})
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -118,44 +137,64 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                            "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
+                                                            "float16"],
+                        help="weights and activations; auto: the checkpoint's dtype on a GPU, "
+                             "float32 on a CPU")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus reply in tokens (default: the model's limit, "
+                             "capped by the KV cache)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens with this probability "
+                             "mass; 1 keeps all")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample from the k most likely tokens; 0 keeps all")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="most tokens generated per reply")
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="seed of the sampler (default: none, so sampling at a temperature "
+                             "above 0 differs from run to run)")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="run every step eagerly (no CUDA graphs for decode batches)")
+                        help="run every step eagerly (no CUDA graphs for decode batches) "
+                             "(default: off)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
-                        help="read each step back before launching the next (by default the "
-                             "next step is launched first, so host work overlaps the GPU)")
+                        help="read each step back before launching the next (when off, the "
+                             "next step is launched first, so host work overlaps the GPU) "
+                             "(default: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="muse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="muse", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="parameter counts and KV-cache sizes of a model")
+    info = sub.add_parser("info", help="parameter counts and KV-cache sizes of a model",
+                          formatter_class=DefaultsHelpFormatter)
     info.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder")
     info.add_argument("--context", type=int, default=None,
                       help="context length for the KV-cache figure (default: the model's maximum)")
     info.add_argument("--kv-dtype", default="bfloat16",
-                      choices=["bfloat16", "float16", "float32", "fp8"])
-    info.add_argument("--json", action="store_true", help="machine-readable output")
+                      choices=["bfloat16", "float16", "float32", "fp8"],
+                      help="KV-cache dtype of the byte figures")
+    info.add_argument("--json", action="store_true",
+                      help="machine-readable output (default: off, a table)")
     info.set_defaults(func=cmd_info)
 
-    init = sub.add_parser("init", help="write a seeded random checkpoint of a preset")
+    init = sub.add_parser("init", help="write a seeded random checkpoint of a preset",
+                          formatter_class=DefaultsHelpFormatter)
     init.add_argument("out", help="output folder")
     init.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                       help="weight dtype (default: the config's)")
     init.set_defaults(func=cmd_init)
 
-    generate = sub.add_parser("generate", help="complete prompts offline")
+    generate = sub.add_parser("generate", help="complete prompts offline",
+                              formatter_class=DefaultsHelpFormatter)
     generate.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                           help="a checkpoint folder or a preset (random weights)")
     generate.add_argument("--prompt", action="append", required=True,
@@ -163,10 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(generate)
     generate.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat with a model on the terminal")
-    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    chat.add_argument("--message", action="append", help="send these turns and exit")
-    chat.add_argument("--system", default=None, help="a system prompt")
+    chat = sub.add_parser("chat", help="chat with a model on the terminal",
+                          formatter_class=DefaultsHelpFormatter)
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                      help="a checkpoint folder or a preset (random weights)")
+    chat.add_argument("--message", action="append",
+                      help="send this turn (repeat for several) and exit (default: none, an "
+                           "interactive conversation)")
+    chat.add_argument("--system", default=None, help="a system prompt (default: none)")
     _add_generation_flags(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -176,23 +219,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve, DEFAULT_MODEL)
     serve.set_defaults(func=cmd_serve)
 
-    tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files")
+    tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files",
+                         formatter_class=DefaultsHelpFormatter)
     tok.add_argument("out", help="output folder")
     tok.add_argument("files", nargs="+", help="training text files")
-    tok.add_argument("--vocab-size", type=int, default=8192)
+    tok.add_argument("--vocab-size", type=int, default=8192,
+                     help="tokens in the vocabulary, special and byte tokens included (fewer "
+                          "when the files hold too few distinct pairs)")
     tok.set_defaults(func=cmd_train_tokenizer)
 
     from muse.eval.options import add_arguments as add_eval_arguments
     from muse.train.options import add_arguments as add_pretrain_arguments
 
-    train = sub.add_parser("train", help="train a model")
+    train = sub.add_parser("train", help="train a model", formatter_class=DefaultsHelpFormatter)
     train_sub = train.add_subparsers(dest="train_command", required=True)
-    pretrain = train_sub.add_parser("pretrain", help="pretrain from scratch on local data")
+    pretrain = train_sub.add_parser("pretrain", help="pretrain from scratch on local data",
+                                    formatter_class=DefaultsHelpFormatter)
     add_pretrain_arguments(pretrain)
     pretrain.set_defaults(func=cmd_train_pretrain)
 
     evaluate = sub.add_parser("eval", help="score a model on held-out tasks (arithmetic, "
-                                           "tool calls, instructions, Python)")
+                                           "tool calls, instructions, Python)",
+                              formatter_class=DefaultsHelpFormatter)
     evaluate.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                           help="a checkpoint folder or a preset (random weights)")
     add_eval_arguments(evaluate)
@@ -200,11 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments
 
-    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench = sub.add_parser("bench", help="benchmark a running server",
+                           formatter_class=DefaultsHelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser(
         "serve", help="load an OpenAI-compatible server with agentic, shared-prefix or random "
-                      "traffic; see docs/benchmarking.md")
+                      "traffic; see docs/benchmarking.md", formatter_class=DefaultsHelpFormatter)
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
     return parser

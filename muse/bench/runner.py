@@ -12,7 +12,6 @@ import contextlib
 import copy
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from muse.bench.client import RequestOptions, body_digest, request_body, stream_request
+from muse.bench.progress import LevelProgress
 from muse.bench.trace import Session
 
 
@@ -49,6 +49,7 @@ class ReplayOptions:
     salt: str | None = None
     seed: int = 0  # of the Poisson arrivals
     progress: bool = True
+    progress_interval_s: float = 30.0  # between progress lines where stderr is not a terminal
 
 
 @dataclass
@@ -103,13 +104,6 @@ def arrival_times(num_sessions: int, rate: float | None, seed: int) -> list[floa
     return times
 
 
-def _progress(total: int, label: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=label, unit="req", dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
-
-
 async def run_level(http: httpx.AsyncClient, sessions: list[Session], level: Level,
                     options: ReplayOptions) -> LevelRun:
     run = LevelRun(level)
@@ -118,7 +112,8 @@ async def run_level(http: httpx.AsyncClient, sessions: list[Session], level: Lev
     # Short, so that what follows (each request's own header) starts within the first
     # KV block and unrelated requests share no whole block.
     salt = f"[{options.salt}/{level.index}] " if options.salt is not None else None
-    bar = _progress(sum(s.num_requests for s in sessions), level.label, options.progress)
+    progress = LevelProgress(level.label, sum(s.num_requests for s in sessions),
+                             options.progress, options.progress_interval_s)
     start = time.perf_counter()
 
     async def replay(session: Session, arrival: float) -> None:
@@ -140,19 +135,21 @@ async def run_level(http: httpx.AsyncClient, sessions: list[Session], level: Lev
                     result.itl_s, result.prompt_tokens, result.completion_tokens,
                     result.cached_tokens, result.num_chunks, turn.intended_input_tokens,
                     turn.output_tokens, body_digest(body), result.error))
-                bar.update(1)
+                progress.update(output_tokens=result.completion_tokens or 0)
                 if result.error is not None:
                     # Later turns would build on a reply that never came: the session ends.
-                    bar.update(len(session.turns) - number - 1)
+                    progress.update(len(session.turns) - number - 1)
                     return
                 reply = turn.assistant if options.assistant_history == "trace" \
                     and turn.assistant is not None else result.text
                 history = history + [{"role": "assistant", "content": reply}]
 
+    reporter = asyncio.create_task(progress.report())
     try:
         await asyncio.gather(*(replay(s, t) for s, t in zip(sessions, arrivals)))
     finally:
         run.duration_s = time.perf_counter() - start
-        bar.close()
+        reporter.cancel()
+        progress.close()
     run.records.sort(key=lambda r: (r.start_s, r.session_id, r.turn))
     return run

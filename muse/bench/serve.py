@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from muse.bench.client import RequestOptions
 from muse.bench.options import SessionsPerLevel, load_levels
 from muse.bench.plot import plot_levels
 from muse.bench.random_lengths import RandomSettings, generate_random
+from muse.bench.results import results_document, write_results
 from muse.bench.runner import Level, LevelRun, ReplayOptions, run_level
 from muse.bench.server_metrics import prefix_cache_counters, prefix_cache_delta
 from muse.bench.shared_prefix import SharedPrefixSettings, generate_shared_prefix
@@ -121,12 +123,14 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 async def run_levels(args: argparse.Namespace, trace: Trace, levels: list[Level],
-                     options: ReplayOptions, headers: dict[str, str], slo: SLO
-                     ) -> tuple[list[dict[str, Any]], list[LevelRun]]:
+                     options: ReplayOptions, headers: dict[str, str], slo: SLO,
+                     summaries: list[dict[str, Any]], runs: list[LevelRun],
+                     level_finished: Callable[[], None]) -> None:
+    """Run the levels in order, appending each one's summary and run as it finishes (so the
+    caller holds them even if a later level is interrupted) and calling `level_finished`."""
     timeout = httpx.Timeout(args.request_timeout, connect=60.0)
     # No pool limit: the level's concurrency is the only cap on requests in flight.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    summaries, runs = [], []
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout,
                                  limits=limits) as http:
         for level in levels:
@@ -137,7 +141,7 @@ async def run_levels(args: argparse.Namespace, trace: Trace, levels: list[Level]
             print(format_summary(summary), flush=True)
             summaries.append(summary)
             runs.append(run)
-    return summaries, runs
+            level_finished()
 
 
 def build_levels(spec: list[tuple[int | None, float | None]], per_level: SessionsPerLevel,
@@ -198,11 +202,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     request = RequestOptions(server.model, args.endpoint, ignore_eos=args.ignore_eos,
                              extra_body=args.extra_body)
     options = ReplayOptions(request, args.assistant_history, run_id if args.salt else None,
-                            args.seed, args.progress)
+                            args.seed, args.progress, args.progress_interval)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    summaries, runs = asyncio.run(run_levels(args, trace, levels, options, headers, slo))
-
     config = {
         "muse_version": muse.__version__, "run_id": run_id, "started": started,
         "base_url": args.base_url,
@@ -214,14 +216,32 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
         "assistant_history": args.assistant_history, "salted": args.salt,
         "num_gpus": args.num_gpus, "slo": dataclasses.asdict(slo),
     }
-    results = {"config": config, "summaries": summaries,
-               "requests": [dataclasses.asdict(r) for run in runs for r in run.records]}
-    output_dir.mkdir(parents=True, exist_ok=True)
     json_path = output_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(results, indent=1))
+    summaries: list[dict[str, Any]] = []
+    runs: list[LevelRun] = []
+
+    def save(status: str) -> dict[str, Any]:
+        results = results_document(config, summaries, runs, status, len(levels))
+        write_results(json_path, results)
+        return results
+
+    try:
+        asyncio.run(run_levels(args, trace, levels, options, headers, slo, summaries, runs,
+                               level_finished=lambda: save("running")))
+        interrupted = False
+    except KeyboardInterrupt:
+        # Ctrl-C: the level in flight is dropped (its figures would be cut short); every
+        # finished one is kept.
+        interrupted = True
+    results = save("interrupted" if interrupted else "complete")
     png_path = output_dir / f"{stem}.png"
-    plotted = plot_levels(summaries, png_path, f"{workload} on {server.model} "
-                                               f"({args.base_url}, {args.num_gpus} GPU)")
+    plotted = bool(summaries) and plot_levels(
+        summaries, png_path, f"{workload} on {server.model} ({args.base_url}, "
+                             f"{args.num_gpus} GPU)")
     print(f"results: {json_path}" + (f"\nplot: {png_path}" if plotted else "")
           + f"\ntrace: {trace_path}")
+    if interrupted:
+        print(f"interrupted: {len(summaries)} of {len(levels)} levels finished and are saved",
+              file=sys.stderr)
+        raise SystemExit(130)
     return results

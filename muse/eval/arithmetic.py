@@ -31,7 +31,8 @@ def held_out_problems(rng: random.Random, operation: str, digits: int, num: int
 
 
 def evaluate_arithmetic(llm: LLM, num: int, seed: int, max_tokens: int,
-                        max_digits: int = arithmetic.MAX_DIGITS) -> SectionResult:
+                        max_digits: int = arithmetic.MAX_DIGITS,
+                        progress: bool | None = None) -> SectionResult:
     rng = random.Random(f"eval-arithmetic/{seed}")
     cases, prompts = [], []
     for operation in arithmetic.OPERATIONS:
@@ -41,7 +42,7 @@ def evaluate_arithmetic(llm: LLM, num: int, seed: int, max_tokens: int,
                 cases.append((operation, digits, problem))
                 prompts.append(ChatPrompt([question],
                                           max_tokens=reply_budget(llm, answer, max_tokens)))
-    replies = generate_replies(llm, prompts)
+    replies = generate_replies(llm, prompts, "arithmetic", progress)
     metrics: dict = {}
     examples = []
     for (operation, digits, problem), prompt, reply in zip(cases, prompts, replies):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muse.engine.sampling_params import SamplingParams
+from muse.eval.progress import progress_bars
 from muse.eval.replies import Reply, read_reply
 from muse.llm import LLM
 
@@ -37,7 +38,9 @@ def reply_budget(llm: LLM, expected: dict[str, Any], cap: int) -> int:
     return min(cap, 2 * length + 16)
 
 
-def generate_replies(llm: LLM, prompts: list[ChatPrompt]) -> list[Reply]:
+def generate_replies(llm: LLM, prompts: list[ChatPrompt], label: str,
+                     progress: bool | None = None) -> list[Reply]:
+    """Greedy replies, with a progress bar labelled `label` (see `progress_bars`)."""
     if not prompts:
         return []
     token_prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
@@ -45,7 +48,7 @@ def generate_replies(llm: LLM, prompts: list[ChatPrompt]) -> list[Reply]:
         for prompt in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=prompt.max_tokens,
                              skip_special_tokens=False) for prompt in prompts]
-    outputs = llm.generate(token_prompts, params)
+    outputs = llm.generate(token_prompts, params, use_tqdm=progress_bars(progress, label))
     return [read_reply(output.outputs[0], llm.tokenizer) for output in outputs]
 
 

@@ -13,7 +13,8 @@ from muse.train.data.split import HELD_OUT
 DRAWS_PER_CASE = 50
 
 
-def evaluate_instructions(llm: LLM, num: int, seed: int, max_tokens: int) -> SectionResult:
+def evaluate_instructions(llm: LLM, num: int, seed: int, max_tokens: int,
+                          progress: bool | None = None) -> SectionResult:
     rng = random.Random(f"eval-instructions/{seed}")
     cases, prompts = [], []
     for kind in instructions.KINDS:
@@ -28,7 +29,7 @@ def evaluate_instructions(llm: LLM, num: int, seed: int, max_tokens: int) -> Sec
             cases.append(case)
             prompts.append(ChatPrompt([question],
                                       max_tokens=reply_budget(llm, answer, max_tokens)))
-    replies = generate_replies(llm, prompts)
+    replies = generate_replies(llm, prompts, "instructions", progress)
     metrics: dict[str, dict[str, float]] = {}
     examples = []
     for case, prompt, reply in zip(cases, prompts, replies):

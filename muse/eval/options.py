@@ -30,22 +30,36 @@ class EvalSettings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `muse eval` flags; the CLI's help formatter adds "(default: VALUE)" where the
+    default is a value."""
     defaults = EvalSettings()
     parser.add_argument("--num", type=int, default=defaults.num,
                         help="held-out problems per category")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--json", default=None,
+                        help="write the results to this JSON file (default: none)")
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="chooses which held-out problems are asked")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated, among {', '.join(SECTIONS)}")
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument("--max-digits", type=int, default=defaults.max_digits)
-    parser.add_argument("--python-files", type=int, default=defaults.python_files)
-    parser.add_argument("--python-tokens", type=int, default=defaults.python_tokens)
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                        help="cap on any reply, which also gets a budget from its right answer")
+    parser.add_argument("--max-digits", type=int, default=defaults.max_digits,
+                        help="arithmetic operands of 1 up to this many digits")
+    parser.add_argument("--python-files", type=int, default=defaults.python_files,
+                        help="held-out Python files of the next-token loss")
+    parser.add_argument("--python-tokens", type=int, default=defaults.python_tokens,
+                        help="tokens scored from the start of each Python file")
     parser.add_argument("--unigram-chars", type=int, default=defaults.unigram_chars,
                         help="characters of training source counted for the unigram baseline")
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
-                        help="use only the standard library's Python source")
-    parser.add_argument("--device", default="auto")
+                        help="use only the standard library's Python source, not installed "
+                             "packages' too (default: off)")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
     parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: the checkpoint's dtype on a GPU, float32 on a CPU")
+    # As vLLM's and lm-eval's bars: on a terminal; in a log only when asked for.
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars of the generation on stderr (default: on when "
+                             "stderr is a terminal)")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from muse.chat_format import BOS_ID
 from muse.engine.sampling_params import SamplingParams
+from muse.eval.progress import progress_bars
 from muse.llm import LLM
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.python_source import SourceFile, discover_files, read_source
@@ -47,7 +48,8 @@ def unigram_log_probs(texts: Iterator[str], tokenizer: MuseTokenizer, char_budge
 
 
 def evaluate_python(llm: LLM, num_files: int, max_tokens: int, seed: int,
-                    unigram_chars: int, include_packages: bool = True) -> dict[str, float]:
+                    unigram_chars: int, include_packages: bool = True,
+                    progress: bool | None = None) -> dict[str, float]:
     """Mean next-token loss (nats per token) of the model and of the unigram baseline over
     the first `max_tokens` tokens (from `<|bos|>`) of `num_files` held-out files."""
     tokenizer = llm.tokenizer
@@ -61,7 +63,8 @@ def evaluate_python(llm: LLM, num_files: int, max_tokens: int, seed: int,
         raise ValueError("no held-out Python files were found on this machine")
     unigram = unigram_log_probs(sampled_texts(files, TRAIN, seed), tokenizer, unigram_chars)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in documents], params)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in documents], params,
+                           use_tqdm=progress_bars(progress, "python loss"))
     model_loss = unigram_loss = 0.0
     tokens = 0
     for ids, output in zip(documents, outputs):

@@ -34,11 +34,12 @@ ACCEPTANCE_BARS: dict[str, float] = {
 }
 
 
-def evaluate(model: str, settings: EvalSettings | None = None, **engine_args: Any
-             ) -> dict[str, Any]:
+def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | None = None,
+             **engine_args: Any) -> dict[str, Any]:
     """Score `model` (a checkpoint folder or a preset) on the chosen sections.
 
-    engine_args go to `muse.LLM` (device, dtype, ...). Returns the JSON-ready report.
+    progress: bars on stderr; None: when it is a terminal. engine_args go to `muse.LLM`
+    (device, dtype, ...). Returns the JSON-ready report.
     """
     settings = settings or EvalSettings()
     settings.validate()
@@ -49,12 +50,14 @@ def evaluate(model: str, settings: EvalSettings | None = None, **engine_args: An
     sections: dict[str, SectionResult] = {}
     if "arithmetic" in settings.sections:
         sections["arithmetic"] = evaluate_arithmetic(llm, settings.num, settings.seed,
-                                                     settings.max_tokens, settings.max_digits)
+                                                     settings.max_tokens, settings.max_digits,
+                                                     progress)
     if "tools" in settings.sections:
-        sections["tools"] = evaluate_tools(llm, settings.num, settings.seed, settings.max_tokens)
+        sections["tools"] = evaluate_tools(llm, settings.num, settings.seed, settings.max_tokens,
+                                           progress)
     if "instructions" in settings.sections:
         sections["instructions"] = evaluate_instructions(llm, settings.num, settings.seed,
-                                                         settings.max_tokens)
+                                                         settings.max_tokens, progress)
     replies = [reply for section in sections.values() for reply in section.replies]
     for name, section in sections.items():
         report[name] = section.metrics
@@ -66,7 +69,7 @@ def evaluate(model: str, settings: EvalSettings | None = None, **engine_args: An
     if "python" in settings.sections:
         report["python"] = evaluate_python(llm, settings.python_files, settings.python_tokens,
                                            settings.seed, settings.unigram_chars,
-                                           settings.python_packages)
+                                           settings.python_packages, progress)
     report["examples"] = {name: section.examples for name, section in sections.items()}
     report["seconds"] = round(time.monotonic() - started, 1)
     return report
@@ -151,7 +154,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, max_digits=args.max_digits,
         python_files=args.python_files, python_tokens=args.python_tokens,
         unigram_chars=args.unigram_chars, python_packages=args.python_packages)
-    report = evaluate(args.model, settings, device=args.device, dtype=args.dtype)
+    report = evaluate(args.model, settings, progress=args.progress, device=args.device,
+                      dtype=args.dtype)
     report["command"] = sys.argv
     print(format_table(report))
     failures = failed_bars(report, {path: bar for path, bar in ACCEPTANCE_BARS.items()

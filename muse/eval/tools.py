@@ -51,7 +51,8 @@ def held_out_cases(rng: random.Random, num: int) -> list[tools.ToolCase]:
     return list(found.values())
 
 
-def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int) -> SectionResult:
+def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int,
+                   progress: bool | None = None) -> SectionResult:
     rng = random.Random(f"eval-tools/{seed}")
     cases = held_out_cases(rng, num)
     calls, answers, offered_lists = [], [], []
@@ -65,8 +66,8 @@ def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int) -> SectionRes
         answers.append(ChatPrompt(request + [call, result], offered,
                                   reply_budget(llm, answer, max_tokens)))
         offered_lists.append(offered)
-    call_replies = generate_replies(llm, calls)
-    answer_replies = generate_replies(llm, answers)
+    call_replies = generate_replies(llm, calls, "tool calls", progress)
+    answer_replies = generate_replies(llm, answers, "tool answers", progress)
     by_tool: dict[str, dict[str, float]] = {}
     examples = []
     valid_count = correct_count = used_count = 0

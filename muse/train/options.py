@@ -16,8 +16,10 @@ class PretrainArgs:
     preset: str = "muse-spark-default"
     steps: int | None = None  # upper bound; None = as many as the time budget allows
     time_budget_minutes: float | None = None
-    batch_size: int = 32
-    seq_len: int = 1024
+    # None: chosen from the device and its free memory (muse/train/memory.py).
+    batch_size: int | None = None  # sequences per optimizer step
+    seq_len: int | None = None
+    micro_batch_size: int | None = None  # sequences per forward/backward (accumulation)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -43,9 +45,10 @@ class PretrainArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("batch_size", "seq_len", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("batch_size", "seq_len", "micro_batch_size", "log_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.resume and self.init_from:
             raise ValueError("--resume continues a run; --init-from starts a new one: give one")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
@@ -54,20 +57,37 @@ class PretrainArgs:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `muse train pretrain` flags (defaults: the shipped model's recipe)."""
+    """The `muse train pretrain` flags (defaults: the shipped model's recipe). Flags whose
+    default is a value get "(default: VALUE)" from the CLI's help formatter; the others say
+    what happens by default in words."""
     defaults = PretrainArgs(out="")
     parser.add_argument("--out", required=True, help="output folder (a checkpoint + logs)")
     parser.add_argument("--preset", default=defaults.preset, help=f"one of {', '.join(PRESETS)}")
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many steps (default: as many as the time budget "
+                             "allows)")
     parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop (and save) before this much wall time has passed")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+                        help="stop (and save) before this much wall time has passed (default: "
+                             "no limit; give this, --steps or both)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences per optimizer step (default: 32 on a GPU; on a CPU up "
+                             "to 4, as many as fit in half its free memory)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="sequences per forward and backward pass; gradients of a step's "
+                             "micro-batches are accumulated (default: as many as fit in the "
+                             "device's free memory)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default: 1024, halved until one sequence "
+                             "fits in the device's free memory)")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
+    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
+                        help="the cosine decays to this fraction of the peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                        help="steps of linear learning-rate warmup")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                        help="AdamW weight decay of matrices (norm gains and biases get none)")
+    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
+                        help="clip the gradient norm to this")
     parser.add_argument("--aux-loss-coef", type=float, default=defaults.aux_loss_coef,
                         help="weight of the router load-balancing loss")
     parser.add_argument("--seed", type=int, default=defaults.seed,
@@ -75,15 +95,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversation-share", type=float, default=defaults.conversation_share,
                         help="share of each row's tokens given to conversations")
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
-                        help="use only the standard library's Python source")
+                        help="use only the standard library's Python source, not installed "
+                             "permissively licensed packages' too (default: off)")
     parser.add_argument("--resume", action="store_true",
-                        help=f"continue from {STATE_FILE} in --out")
+                        help=f"continue from {STATE_FILE} in --out instead of starting a new "
+                             f"run (default: off)")
     parser.add_argument("--init-from", default=None,
                         help="start from this checkpoint folder's weights with a new optimizer "
-                             "and schedule (a further stage of training, e.g. on a fresh "
-                             "machine without the optimizer state)")
-    parser.add_argument("--device", default=defaults.device)
+                             "and schedule: a further stage of training, e.g. on a fresh "
+                             "machine without the optimizer state (default: seeded random "
+                             "weights)")
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
     parser.add_argument("--num-workers", type=int, default=None,
                         help="data loader processes (default: 0 on CPU, up to 8 on GPU)")
-    parser.add_argument("--log-every", type=int, default=defaults.log_every)
-    parser.add_argument("--save-every-minutes", type=float, default=defaults.save_every_minutes)
+    parser.add_argument("--log-every", type=int, default=defaults.log_every,
+                        help="steps between lines of train_log.jsonl")
+    parser.add_argument("--save-every-minutes", type=float, default=defaults.save_every_minutes,
+                        help="minutes between saves of the checkpoint and training state")

@@ -35,6 +35,7 @@ from muse.tokenizer import MuseTokenizer
 from muse.train.data.mixture import SOURCES, MixtureConfig, TrainingBatches
 from muse.train.data.python_source import PythonCorpus
 from muse.train.data.split import TRAIN
+from muse.train.memory import plan_batch
 from muse.train.options import STATE_FILE, PretrainArgs
 from muse.train.plot import plot_losses
 from muse.train.router_balance import RouterLoadBalance
@@ -102,6 +103,7 @@ class Run:
         self.args = args
         self.device = resolve_device(args.device)
         self.config = get_preset(args.preset)
+        self._choose_batch()
         self.tokenizer = MuseTokenizer.base()
         self.step = self.state["step"] if self.state else 0
         # A step-bounded run knows its length (`--steps` counts from step 0, so resuming
@@ -114,6 +116,16 @@ class Run:
         self.tokens_seen = self.state["tokens_seen"] if self.state else 0
         self.elapsed_before = self.state["elapsed_s"] if self.state else 0.0
         self.save_seconds = 0.0
+
+    def _choose_batch(self) -> None:
+        """Fill in what was not given of the batch (a resumed run keeps its batch and
+        sequence length, but splits them for the memory of the machine it runs on)."""
+        args = self.args
+        plan = plan_batch(self.config.text_config, self.device, args.batch_size, args.seq_len,
+                          args.micro_batch_size)
+        args.batch_size, args.seq_len = plan.batch_size, plan.seq_len
+        args.micro_batch_size = plan.micro_batch_size
+        logger.info("batch: %s", plan.describe())
 
     @staticmethod
     def _load_state(args: PretrainArgs) -> dict[str, Any]:
@@ -235,25 +247,52 @@ class IntervalStats:
         return time.monotonic() - self.started
 
 
+def accumulate_gradients(model: MuseForCausalLM, balance: RouterLoadBalance,
+                         batch: dict[str, torch.Tensor], micro_batch_size: int,
+                         aux_loss_coef: float, device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Forward and backward over `batch` in micro-batches of `micro_batch_size` rows.
+
+    Each micro-batch's loss is divided by the whole batch's count of trained tokens, so the
+    gradients add up to those of the batch's masked mean loss however it is split (the
+    balance loss, being per micro-batch, is weighted by its share of rows). Returns the
+    per-token losses, their sources and the balance loss, still on the device."""
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    sources = batch["sources"].to(device, non_blocking=True)
+    weights = (sources > 0).float()
+    trained_tokens = weights.sum().clamp(min=1.0)
+    rows = input_ids.shape[0]
+    losses, balance_losses = [], []
+    for start in range(0, rows, micro_batch_size):
+        part = slice(start, start + micro_batch_size)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids[part]).logits
+        per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                    labels[part].reshape(-1), reduction="none")
+        loss = (per_token * weights[part].reshape(-1)).sum() / trained_tokens
+        aux = balance.loss()
+        if aux is not None:
+            aux = aux * (input_ids[part].shape[0] / rows)
+            loss = loss + aux_loss_coef * aux
+            balance_losses.append(aux.detach())
+        loss.backward()
+        losses.append(per_token.detach())
+    aux_total = torch.stack(balance_losses).sum() if balance_losses else None
+    return torch.cat(losses), sources, aux_total
+
+
 def train_step(model: MuseForCausalLM, optimizer: torch.optim.Optimizer,
                balance: RouterLoadBalance, batch: dict[str, torch.Tensor], lr: float,
                args: PretrainArgs, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One optimizer step; returns per-token losses, their sources, the balance loss and the
     gradient norm before clipping (all still on the device: reading them would sync)."""
-    input_ids = batch["input_ids"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    sources = batch["sources"].to(device, non_blocking=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(input_ids).logits
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                labels.reshape(-1), reduction="none")
-    weights = (sources.reshape(-1) > 0).float()
-    loss = (per_token * weights).sum() / weights.sum().clamp(min=1.0)
-    aux = balance.loss()
-    (loss + args.aux_loss_coef * aux if aux is not None else loss).backward()
+    per_token, sources, aux = accumulate_gradients(
+        model, balance, batch, args.micro_batch_size or args.batch_size, args.aux_loss_coef,
+        device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -266,7 +305,8 @@ def train(args: PretrainArgs) -> Path:
     args = run.args
     batches, manifest = run.data()
     last_step = args.steps or sys.maxsize
-    # Worker processes are started before CUDA is initialised, which forking needs.
+    # Worker processes are forked before the model is built; they make CPU batches only and
+    # never touch CUDA, which a forked process cannot use.
     data = iter(run.loader(batches, last_step))
 
     torch.manual_seed(args.seed)

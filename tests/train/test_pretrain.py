@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from muse.checkpoint import load_reference_model
 from muse.cli import main
-from muse.train import pretrain
+from muse.train import memory, pretrain
 from muse.train.data.python_source import PythonCorpus, SourceFile
 from muse.train.options import STATE_FILE
 
@@ -120,3 +121,17 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path) -> None:
         assert (started["model"][name] - tensor).abs().max() < 1e-3, name
     with pytest.raises(SystemExit):
         _train(second, "--steps", "2", "--resume", "--init-from", str(first))
+
+
+def test_the_batch_is_chosen_from_free_memory_and_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Free memory for two of the tiny model's 1024-token sequences at once.
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 5_000_000_000)
+    caplog.set_level(logging.INFO, logger="muse.train")
+    out = tmp_path / "auto"
+    main(["train", "pretrain", "--preset", "muse-spark-tiny", "--out", str(out),
+          "--batch-size", "4", "--steps", "1", "--device", "cpu"])
+    args = json.loads((out / "train_summary.json").read_text())["args"]
+    assert (args["batch_size"], args["micro_batch_size"], args["seq_len"]) == (4, 2, 1024)
+    assert "4 x 1024 tokens per step in 2 micro-batch(es) of 2" in caplog.text
+    load_reference_model(out)
