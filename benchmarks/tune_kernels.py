@@ -116,7 +116,7 @@ ATTENTION_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64
 
 
 def sweep_attention(device: torch.device) -> list[dict]:
-    from muse.engine.metadata import BatchMetadata, KindMetadata
+    from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
     from muse.kernels.paged_attention_triton import _prefill
 
     (heads, kv_heads, head_dim), block_size, chunk = ATTENTION_HEADS, 16, ATTENTION_CHUNK

@@ -22,7 +22,7 @@ from muse.checkpoint import CheckpointError, load_config, load_reference_model  
 from muse.config import FULL, SLIDING, ConfigError, RopeParameters, TextConfig  # noqa: E402
 from muse.presets import PRESETS  # noqa: E402
 from muse.reference.layers import LatentMoE  # noqa: E402
-from muse.reference.rope import inverse_frequencies  # noqa: E402
+from muse.rope import inverse_frequencies  # noqa: E402
 
 VOCAB = 512
 LENGTH = 40

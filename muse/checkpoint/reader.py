@@ -53,11 +53,15 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the shard header, without reading the tensor."""
-        return tuple(self._slice(name).get_shape())
+        return tuple(self.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, backed by the mapped shard (clone it to own aligned memory)."""
         return self._read(name, "get_tensor")
+
+    def get_slice(self, name: str) -> Any:
+        """A lazy view of the tensor: indexing it reads only the elements asked for."""
+        return self._read(name, "get_slice")
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -70,9 +74,6 @@ class CheckpointReader:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()
-
-    def _slice(self, name: str) -> Any:
-        return self._read(name, "get_slice")
 
     def _read(self, name: str, method: str) -> Any:
         """`get_tensor` or `get_slice` of the shard holding `name`, with a clear error."""

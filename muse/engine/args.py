@@ -37,6 +37,9 @@ class EngineArgs:
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     grammar_cache_bytes: int = 256 * 2**20  # compiled grammars kept for reuse, LRU
     grammar_compile_threads: int = 2  # compiles run beside the engine loop, this many at once
+    # Kernel backends by name (muse.kernels.backends); "auto": Triton on CUDA, torch elsewhere.
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -70,6 +73,14 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization}")
         self._validate_model()
         self._validate_device()
+        from muse.kernels.backends import ATTENTION_BACKENDS, AUTO, MOE_BACKENDS
+
+        for name, registry in (("attention_backend", ATTENTION_BACKENDS),
+                               ("moe_backend", MOE_BACKENDS)):
+            value = getattr(self, name)
+            if value != AUTO and value not in registry:
+                raise ValueError(f"`{name}` must be {AUTO!r} or one of {sorted(registry)}, "
+                                 f"got {value!r}")
 
     def _validate_model(self) -> None:
         # Checked before anything loads, so a typo is not reported as a missing file inside

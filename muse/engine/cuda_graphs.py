@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from muse.engine.metadata import BatchMetadata, HostBatch, KindMetadata
+from muse.engine.metadata import HostBatch
+from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.engine.transfer import to_device
 
 logger = logging.getLogger("muse")

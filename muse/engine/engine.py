@@ -18,8 +18,11 @@ from muse.engine.runner import LaunchedStep, ModelRunner, allocate_kv_caches
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import ScheduledRequest, Scheduler
 from muse.model.decoder import EngineModel
+from muse.checkpoint.configs import load_config
+from muse.kernels.backends import select_backends
+from muse.model.loader import load_checkpoint, load_named_tensors
 from muse.presets import PRESETS, get_preset
-from muse.reference.model import init_weights, init_weights_on_device
+from muse.reference.model import MuseForCausalLM, init_weights, init_weights_on_device
 
 logger = logging.getLogger("muse")
 
@@ -34,33 +37,26 @@ GRAMMAR_WAIT_S = 0.01
 HOST_INIT_MAX_PARAMETERS = 2**28
 
 
-def _meta_model(config: MuseSparkConfig, dtype: torch.dtype) -> EngineModel:
-    """The engine model's structure without storage; `to_empty` then allocates it once."""
-    with torch.device("meta"):
-        return EngineModel(config.text_config).to(dtype)
-
-
 def load_engine_model(args: EngineArgs, device: torch.device
                       ) -> tuple[MuseSparkConfig, EngineModel, torch.dtype]:
     """A preset gets seeded random weights; a folder is loaded as a checkpoint."""
-    if args.model in PRESETS:
-        config = get_preset(args.model)
-        dtype = args.resolve_dtype(config.dtype, device)
-        std = args.init_std or config.text_config.initializer_range
-        model = _meta_model(config, dtype)
-        if sum(p.numel() for p in model.parameters()) > HOST_INIT_MAX_PARAMETERS:
-            model = model.to_empty(device=device)
-            init_weights_on_device(model, args.seed, std)
-            return config, model, dtype
-        model = EngineModel(config.text_config)
-        init_weights(model, args.seed, std)
-        return config, model.to(device=device, dtype=dtype), dtype
-    from muse.checkpoint import load_config, load_weights
-
-    config = load_config(args.model)
+    config = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
     dtype = args.resolve_dtype(config.dtype, device)
-    model = _meta_model(config, dtype).to_empty(device=device)
-    load_weights(model, args.model, dtype=dtype, device=device)
+    backends = select_backends(device, args.attention_backend, args.moe_backend)
+    with torch.device(device):
+        model = EngineModel(config.text_config, backends, dtype)
+    if args.model not in PRESETS:
+        load_checkpoint(model, args.model)
+        return config, model, dtype
+    std = args.init_std or config.text_config.initializer_range
+    if sum(p.numel() for p in model.parameters()) > HOST_INIT_MAX_PARAMETERS:
+        init_weights_on_device(model, args.seed, std)
+        return config, model, dtype
+    # The reference's seeded weights, drawn in its parameter order, so that an engine and a
+    # reference model built from one seed are the same model.
+    reference = MuseForCausalLM(config.text_config)
+    init_weights(reference, args.seed, std)
+    load_named_tensors(model, reference.state_dict().items(), f"preset {args.model}")
     return config, model, dtype
 
 
@@ -84,7 +80,6 @@ class EngineCore:
         self.device = args.resolve_device()
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
         self.config = self.model_config.text_config
-        model.fuse_projections()
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
         self.eos_token_ids = tuple(self.config.eos_token_ids)
@@ -101,8 +96,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(args.block_size, num_blocks, self.config.sliding_window,
                                        args.enable_prefix_caching)
         self.max_model_len = self._check_capacity(num_blocks)
-        kv_caches = allocate_kv_caches(self.config, num_blocks, args.block_size, self.dtype,
-                                       self.device)
+        kv_caches = allocate_kv_caches(self.config, self.model.num_kv_heads, num_blocks,
+                                       args.block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, kv_caches, self.device,
                                   self._decode_graphs(kv_caches))
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)

@@ -36,13 +36,14 @@ class LaunchedStep:
         return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
 
 
-def allocate_kv_caches(config: TextConfig, num_blocks: dict[str, int], block_size: int,
-                       dtype: torch.dtype, device: torch.device
+def allocate_kv_caches(config: TextConfig, num_kv_heads: int, num_blocks: dict[str, int],
+                       block_size: int, dtype: torch.dtype, device: torch.device
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, shaped [blocks of its kind, block_size, kv_heads, head_dim]."""
+    """One (K, V) pair per layer, shaped [blocks of its kind, block_size, kv_heads, head_dim]
+    (the K/V heads this rank holds)."""
     caches = []
     for kind in config.layer_types:
-        shape = (num_blocks[kind], block_size, config.num_key_value_heads, config.head_dim)
+        shape = (num_blocks[kind], block_size, num_kv_heads, config.head_dim)
         caches.append((torch.zeros(shape, dtype=dtype, device=device),
                        torch.zeros(shape, dtype=dtype, device=device)))
     return caches

@@ -1,13 +1,14 @@
 """The routed experts of a latent MoE layer as one fused computation.
 
-`fused_experts` computes what `LatentMoE` computes between its pooler and unpooler,
+`fused_experts_torch` and `fused_experts_triton` compute what `LatentMoE` computes between its
+pooler and unpooler,
 
     out[t] = sum_j weights[t, j] * norm_e(down_e @ swiglu(gate_up_e @ x[t])),  e = ids[t, j]
 
-accumulated in float32 (norm_e: the expert's own RMSNorm, when the layer has one). On CUDA it
-runs the Triton path, which never asks the host for a value, so a decode step that contains it
-can be captured in a CUDA graph; elsewhere it runs `fused_experts_torch`, the plain PyTorch twin
-that is also the tests' oracle.
+accumulated in float32 (norm_e: the expert's own RMSNorm, when the layer has one). The Triton
+path (the "triton" MoE backend, see `muse.kernels.backends`) never asks the host for a value,
+so a decode step that contains it can be captured in a CUDA graph; the plain PyTorch twin
+(the "torch" backend) is also the tests' oracle.
 
 Data flow of the Triton path (the T*k (token, slot) pairs are "pairs"; pair p = t*k + j):
 
@@ -33,29 +34,10 @@ call is three kernel launches and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-# y (float32 [T*k, L], pair order) -> the tensor the combine reads, of the same shape and
-# dtype (in place or new). Inside a captured decode step it must be capturable itself (an
-# NCCL all-reduce is).
-PairReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
-                  eps: float, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
-    """x [T, L], weights [T, k] float32, expert_ids [T, k] -> [T, L] in x.dtype.
-
-    gate_up [E, 2I, L] (gate rows first, then up rows), down [E, L, I], norm_weight [E, L].
-    reduce_pairs: applied to the per-pair down-projection outputs before the expert norms
-    (the TP all-reduce of partial sums); None computes exactly what it did without it.
-    """
-    fn = fused_experts_triton if x.is_cuda else fused_experts_torch
-    return fn(x, weights, expert_ids, gate_up, down, norm_weight, eps,
-              reduce_pairs=reduce_pairs)
+from muse.kernels.moe_align import PairReduce
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -108,50 +90,3 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: tor
     return moe_triton.fused_experts(x, weights, expert_ids, gate_up, down, norm_weight, eps,
                                     one_pair_per_block=one_pair_per_block,
                                     reduce_pairs=reduce_pairs)
-
-
-def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Worst-case length of the sorted, padded pair list, a multiple of `block_m`.
-
-    At most min(pairs, experts) experts receive a pair, and each wastes < block_m rows of
-    padding; this is tighter than experts * (block_m - 1) when decoding (8 pairs, 128 experts).
-    """
-    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return -(-bound // block_m) * block_m
-
-
-def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the (token, slot) pairs by expert into blocks of `block_m` rows.
-
-    Returns sorted_pairs [max_padded] int64 (pair ids, the sentinel T*k on padding rows) and
-    block_expert [max_padded // block_m] int64 (the expert of each block, -1 past the last
-    used block). Every op has an output shape fixed by the input shapes and never reads a
-    value back to the host (no nonzero/unique/.item(); bincount's output size would depend on
-    the largest id on CUDA, so the counts come from scatter_add into a fixed [E]).
-    """
-    flat = expert_ids.reshape(-1)
-    num_pairs, device = flat.numel(), flat.device
-    padded_len = max_padded_pairs(num_pairs, num_experts, block_m)
-
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded_counts.cumsum(0)
-    padded_start = padded_end - padded_counts
-    start = counts.cumsum(0) - counts
-
-    # A pair's destination: its expert's padded start plus its rank among that expert's pairs.
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
-    dest = padded_start[sorted_experts] + rank
-    sorted_pairs = torch.full((padded_len,), num_pairs, dtype=torch.int64, device=device)
-    sorted_pairs.scatter_(0, dest, order)
-
-    # The block starting at row r belongs to the first expert whose padded run ends after r;
-    # experts without pairs have empty runs and are skipped by the search.
-    block_start = torch.arange(0, padded_len, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return sorted_pairs, block_expert

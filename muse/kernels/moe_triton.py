@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.moe import PairReduce, align_pairs
+from muse.kernels.moe_align import PairReduce, align_pairs
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

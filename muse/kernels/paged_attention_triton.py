@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 
 # Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernels can
 # use exp2, one hardware instruction, instead of exp.

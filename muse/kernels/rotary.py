@@ -6,9 +6,10 @@ RMS-normalised over head_dim, then rotated with the rotate-half convention by co
 the reference: the norm is rounded to the input dtype before the rotation reads it, and the
 rotation is computed in float32 and rounded once more.
 
-CUDA tensors take the Triton kernel (`muse.kernels.rotary_triton`), which handles q and k in a
-single launch with no host synchronisation (safe under CUDA graph capture); everything else
-takes the twin, which is the reference ops themselves.
+`qk_norm_rope` (the "triton" attention backend's) runs the Triton kernel
+(`muse.kernels.rotary_triton`), which handles q and k in a single launch with no host
+synchronisation (safe under CUDA graph capture), and the twin for the calls the kernel does
+not take; `qk_norm_rope_torch` (the "torch" backend's) is the reference ops themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from muse.reference.layers import rms_norm
-from muse.reference.rope import apply_rotary
+from muse.rope import apply_rotary
 
 
 def qk_norm_rope_torch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
@@ -35,12 +36,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Optional per-head RMSNorm of q [T, Hq, D] and k [T, Hk, D], then rotary by cos/sin [T, D].
 
-    Outputs are new contiguous tensors in the input dtype. Triton on CUDA, the twin elsewhere
-    (and for the unusual calls the kernel does not take: q and k of different dtypes, or a
-    norm weight for only one of them).
+    Outputs are new contiguous tensors in the input dtype. The Triton kernel, or the twin for
+    the unusual calls the kernel does not take: q and k of different dtypes, or a norm weight
+    for only one of them.
     """
     fused = q.dtype == k.dtype and (q_weight is None) == (k_weight is None)
-    if q.is_cuda and fused:
+    if fused:
         # Imported here so that CPU-only processes never import Triton.
         from muse.kernels import rotary_triton
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.routing import check_arguments
+from muse.kernels.routing_checks import check_arguments
 
 
 @triton.jit

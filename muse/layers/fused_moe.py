@@ -23,12 +23,14 @@ Two ways to shard, chosen by the parallel config:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from muse.distributed.parallel_state import get_ep_group, get_parallel_config, get_tp_group
+from muse.kernels.moe import fused_experts_torch
 from muse.layers.lazy_slice import LazySlice, copy_into
 from muse.layers.quantization import QuantizationConfig, moe_method, set_weight_attrs
 
@@ -65,10 +67,13 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  expert_norm: bool = True, eps: float = 1e-6,
                  params_dtype: torch.dtype | None = None,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 experts_kernel: Callable = fused_experts_torch) -> None:
         super().__init__()
         config = get_parallel_config()
         self.prefix = prefix
+        # The MoE backend's experts function (muse.kernels.backends), fixed at build time.
+        self.experts_kernel = experts_kernel
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

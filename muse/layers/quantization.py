@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from muse.kernels.moe import PairReduce, fused_experts
+from muse.kernels.moe_align import PairReduce
 
 WeightLoader = Callable[..., None]
 
@@ -138,8 +138,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
-        return fused_experts(x, topk_weights, topk_ids, layer.gate_up_proj, layer.down_proj,
-                             layer.norm_weight, layer.eps, reduce_pairs=reduce_pairs)
+        return layer.experts_kernel(x, topk_weights, topk_ids, layer.gate_up_proj,
+                                    layer.down_proj, layer.norm_weight, layer.eps,
+                                    reduce_pairs=reduce_pairs)
 
 
 def linear_method(quant_config: QuantizationConfig | None, layer: nn.Module,

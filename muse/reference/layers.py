@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from muse.config import TextConfig
-from muse.reference.rope import apply_rotary
+from muse.rope import apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

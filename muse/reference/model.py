@@ -14,7 +14,7 @@ from torch import nn
 
 from muse.config import LAYER_TYPES, TextConfig
 from muse.reference.layers import Attention, DenseMLP, LatentMoE, RMSNorm
-from muse.reference.rope import rotary_cos_sin
+from muse.rope import rotary_cos_sin
 
 
 @dataclass

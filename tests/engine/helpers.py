@@ -11,6 +11,8 @@ import torch
 from muse import LLM
 from muse.engine.request import TokenLogprobs
 from muse.outputs import CompletionOutput, RequestOutput
+from muse.checkpoint import load_reference_model
+from muse.presets import PRESETS
 from muse.reference.model import MuseForCausalLM
 from tests.conftest import DEVICE
 
@@ -42,10 +44,15 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 
 def reference_from_engine(engine) -> MuseForCausalLM:
-    """A float32 reference model holding exactly the engine's weights."""
-    reference = MuseForCausalLM(engine.config)
-    reference.load_state_dict({k: v.float().cpu() for k, v in engine.model.state_dict().items()})
-    return reference.eval()
+    """A float32 reference model with the engine's weights: the same preset seed or the same
+    checkpoint, rounded to the engine's dtype as the engine's copy was."""
+    args = engine.args
+    if args.model in PRESETS:
+        reference = MuseForCausalLM(engine.config)
+        reference.init_weights(args.seed, args.init_std)
+    else:
+        reference = load_reference_model(args.model)
+    return reference.to(engine.dtype).float().eval()
 
 
 @torch.no_grad()

@@ -19,13 +19,8 @@ pytest.importorskip("triton")
 
 from muse.config import TextConfig
 from muse.kernels import moe_triton
-from muse.kernels.moe import (
-    align_pairs,
-    fused_experts,
-    fused_experts_torch,
-    fused_experts_triton,
-    max_padded_pairs,
-)
+from muse.kernels.moe import fused_experts_torch, fused_experts_triton
+from muse.kernels.moe_align import align_pairs, max_padded_pairs
 from muse.kernels.moe_triton import (
     ONE_PAIR_PER_BLOCK_MAX_PAIRS,
     choose_tiles,

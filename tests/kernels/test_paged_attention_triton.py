@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from muse.engine.metadata import BatchMetadata, KindMetadata
+from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.kernels.paged_attention import paged_attention
 from muse.kernels.paged_attention_triton import (
     _DECODE_BLOCK_N,

@@ -11,7 +11,7 @@ from muse.config import RopeParameters, TextConfig  # noqa: E402
 from muse.kernels.rotary import qk_norm_rope, qk_norm_rope_torch  # noqa: E402
 from muse.kernels.rotary_triton import qk_norm_rope_triton  # noqa: E402
 from muse.reference.layers import AttentionProjections, rms_norm  # noqa: E402
-from muse.reference.rope import apply_rotary, rotary_cos_sin  # noqa: E402
+from muse.rope import apply_rotary, rotary_cos_sin  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 
 EPS = 1e-6
@@ -108,7 +108,7 @@ def test_triton_reads_q_and_k_out_of_a_fused_projection():
         assert_close_ulps(got_part, want_part)
 
 
-def test_dispatch_on_the_test_device():
+def test_the_fused_path_on_the_test_device():
     args = make(5, 8, 2, 64, torch.bfloat16, True, seed=1)
     for got, want in zip(qk_norm_rope(*args, EPS), reference(*args)):
         assert_close_ulps(got, want)

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from muse.config import TextConfig
-from muse.kernels.routing import route_topk, route_topk_torch
+from muse.kernels.routing import route_topk_torch
 from muse.kernels.routing_triton import route_topk_triton
 from muse.reference.layers import route
 from tests.conftest import DEVICE
@@ -135,11 +135,3 @@ def test_empty_and_invalid_arguments() -> None:
             fn(logits, 2, "relu", True)
         with pytest.raises(ValueError):
             fn(logits, 9, "softmax", True)
-
-
-def test_dispatch_follows_the_device() -> None:
-    logits = make_logits(5, 60, torch.bfloat16, seed=4)
-    weights, ids = route_topk(logits, 2, "softmax", True)
-    other = route_topk_triton if logits.is_cuda else route_topk_torch
-    expected_weights, expected_ids = other(logits, 2, "softmax", True)
-    assert torch.equal(weights, expected_weights) and torch.equal(ids, expected_ids)

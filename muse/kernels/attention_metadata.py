@@ -1,0 +1,39 @@
+"""What attention reads each step: where each token sits and where its K/V lives.
+
+Defined here, below the model, so the kernels and the model read it without importing the
+engine, which builds it (`muse.engine.metadata.HostBatch.to_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KindMetadata:
+    """Cache addressing for the layers of one attention kind (sliding or global).
+
+    block_tables[r] lists request r's blocks starting at block `first_block[r]`; earlier blocks
+    are not needed by this step's queries (sliding layers only keep their window).
+    """
+
+    slot_mapping: torch.Tensor  # [tokens] flat cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [requests, max_blocks] (null block 0 pads)
+    first_block: torch.Tensor  # [requests]
+
+
+@dataclass
+class BatchMetadata:
+    positions: torch.Tensor  # [tokens]
+    token_request: torch.Tensor  # [tokens] index of the request each token belongs to
+    query_start: torch.Tensor  # [requests + 1] offsets of each request's tokens
+    seq_lens: torch.Tensor  # [requests] context length after this step
+    max_query_len: int
+    kinds: dict[str, KindMetadata]
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
