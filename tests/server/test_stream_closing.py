@@ -41,16 +41,19 @@ class Tokenizer:
         return ["x"] * len(token_ids)
 
 
-def requests_counted(metrics: ServerMetrics, status: str) -> float:
-    return metrics.registry.get_sample_value("muse_requests_total", {"status": status}) or 0.0
+def samples_counted(metrics: ServerMetrics, reason: str) -> float:
+    """Samples the generation counted as ended for `reason` (the HTTP request itself is
+    counted by the CountRequests middleware, from the state's outcome)."""
+    return metrics.registry.get_sample_value(
+        "vllm:request_success_total", {"model_name": "", "finished_reason": reason}) or 0.0
 
 
 def test_closing_the_stream_midway_aborts_and_counts_the_request_at_once():
     async def scenario():
         client, metrics = FakeEngineClient(num_tokens=10), ServerMetrics()
         params = SamplingParams(max_tokens=10)
-        inner = generate(client, Tokenizer(), "r1", [1, 2, 3], params, metrics,
-                         GenerationState())
+        state = GenerationState()
+        inner = generate(client, Tokenizer(), "r1", [1, 2, 3], params, metrics, state)
         first, rest = await first_then_rest(inner)
         assert first is not None
         await rest.__anext__()
@@ -58,8 +61,8 @@ def test_closing_the_stream_midway_aborts_and_counts_the_request_at_once():
         # Checked inside the loop: leaving it closes every generator still open.
         assert [type(c) for c in client.commands] == [AddRequest, AbortRequest]
         assert not client.queues
-        assert requests_counted(metrics, "abort") == 1
-        assert requests_counted(metrics, "finished") == 0
+        assert samples_counted(metrics, "abort") == 1 and state.outcome == "abort"
+        assert samples_counted(metrics, "length") == 0
         assert inner.ag_frame is None  # closed, not waiting for the garbage collector
 
     asyncio.run(scenario())
@@ -78,8 +81,8 @@ def test_a_stream_read_to_the_end_counts_the_request_finished():
     assert [u.finish_reason for u in updates] == [None, None, None, "length"]
     assert state.num_output_tokens == 4
     assert [type(c) for c in client.commands] == [AddRequest]
-    assert requests_counted(metrics, "finished") == 1
-    assert requests_counted(metrics, "abort") == 0
+    assert samples_counted(metrics, "length") == 1 and state.outcome is None
+    assert samples_counted(metrics, "abort") == 0
 
 
 def disconnect_at_second_chunk():
@@ -106,9 +109,10 @@ def disconnect_at_second_chunk():
 def test_a_client_leaving_mid_write_aborts_and_counts_the_request_before_the_response_ends():
     async def scenario():
         client, metrics = FakeEngineClient(num_tokens=10), ServerMetrics()
+        state = GenerationState()
         _, rest = await first_then_rest(generate(
             client, Tokenizer(), "r3", [1, 2, 3], SamplingParams(max_tokens=10), metrics,
-            GenerationState()))
+            state))
 
         async def body():
             try:
@@ -124,7 +128,7 @@ def test_a_client_leaving_mid_write_aborts_and_counts_the_request_before_the_res
         assert len(sent) == 2
         # The response still holds its body, so only an explicit close got here in time.
         assert [type(c) for c in client.commands] == [AddRequest, AbortRequest]
-        assert requests_counted(metrics, "abort") == 1
-        assert requests_counted(metrics, "finished") == 0
+        assert samples_counted(metrics, "abort") == 1 and state.outcome == "abort"
+        assert samples_counted(metrics, "length") == 0
 
     asyncio.run(scenario())
