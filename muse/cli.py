@@ -21,10 +21,25 @@ def resolve_config(preset_or_path: str) -> MuseSparkConfig:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
+    from muse.distributed.config import ParallelConfig
     from muse.info import format_info, model_info
+    from muse.parallel_plan import format_plan, parallel_plan
 
-    info = model_info(resolve_config(args.model), context=args.context, kv_dtype=args.kv_dtype)
-    print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
+    config = resolve_config(args.model)
+    info = model_info(config, context=args.context, kv_dtype=args.kv_dtype)
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
+    plan = parallel_plan(config, parallel, context=args.context, weight_dtype=args.dtype,
+                         kv_dtype=args.kv_dtype, gpu_memory_gib=args.gpu_memory_gib,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.json:
+        print(json.dumps(info.to_dict() | {"parallel": plan.to_dict()}, indent=2))
+    else:
+        print(format_info(info) + "\n" + format_plan(plan))
 
 
 def cmd_init(args: argparse.Namespace) -> None:
@@ -180,6 +195,27 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-dtype", default="bfloat16",
                       choices=["bfloat16", "float16", "float32", "fp8"],
                       help="KV-cache dtype of the byte figures")
+    info.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                      help="weight dtype of the per-GPU byte figures (default: the config's)")
+    info.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="GPUs each layer's heads, MLP widths and vocabulary are split over")
+    info.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                      help="pipeline stages, each holding an equal run of layers")
+    info.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                      help="replicas of the attention and dense weights, each serving its own "
+                           "sequences")
+    info.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+                      help="GPUs a sequence's tokens (and KV cache) are spread over")
+    info.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                      help="hold whole experts, split over the data x prefill-context x tensor "
+                           "parallel GPUs of a stage, instead of splitting each expert over TP "
+                           "(default: off)")
+    info.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="memory of one GPU in GiB (an H200 has about 140): adds the KV "
+                           "budget and the tokens and sequences that fit (default: none, not "
+                           "computed)")
+    info.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="fraction of --gpu-memory-gib for weights and KV cache")
     info.add_argument("--json", action="store_true",
                       help="machine-readable output (default: off, a table)")
     info.set_defaults(func=cmd_info)

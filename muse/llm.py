@@ -47,6 +47,11 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (with `tensor_parallel_size` > 1); the engine
+        cannot be used afterwards. Worker processes also end when this process exits."""
+        self.engine.shutdown()
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -63,10 +63,16 @@ class CheckpointReader:
         """A lazy view of the tensor: indexing it reads only the elements asked for."""
         return self._read(name, "get_slice")
 
-    def close(self) -> None:
-        for handle in self._handles.values():
+    def release(self, file: str) -> None:
+        """Unmap one shard (opened again if asked for later): its pages that were read stop
+        counting against the process once no tensor read from it is alive."""
+        handle = self._handles.pop(file, None)
+        if handle is not None:
             handle.__exit__(None, None, None)
-        self._handles.clear()
+
+    def close(self) -> None:
+        for file in list(self._handles):
+            self.release(file)
 
     def __enter__(self) -> CheckpointReader:
         return self

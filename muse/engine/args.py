@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from muse.distributed.config import ParallelConfig
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 from muse.presets import PRESETS
 
@@ -40,6 +41,36 @@ class EngineArgs:
     # Kernel backends by name (muse.kernels.backends); "auto": Triton on CUDA, torch elsewhere.
     attention_backend: str = "auto"
     moe_backend: str = "auto"
+    # Parallelism (vLLM's names and meanings; see muse.distributed.config.ParallelConfig).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # "uni": one process (world size 1); "mp": a process per rank on this host (the default
+    # when the world is larger).
+    distributed_executor_backend: str | None = None
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            prefill_context_parallel_size=self.prefill_context_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel)
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.parallel_config().world_size > 1 else "uni"
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of a rank: its own GPU (rank r on cuda:r), or the CPU."""
+        device = self.resolve_device()
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -73,6 +104,7 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization}")
         self._validate_model()
         self._validate_device()
+        self._validate_parallel()
         from muse.kernels.backends import ATTENTION_BACKENDS, AUTO, MOE_BACKENDS
 
         for name, registry in (("attention_backend", ATTENTION_BACKENDS),
@@ -81,6 +113,27 @@ class EngineArgs:
             if value != AUTO and value not in registry:
                 raise ValueError(f"`{name}` must be {AUTO!r} or one of {sorted(registry)}, "
                                  f"got {value!r}")
+
+    def _validate_parallel(self) -> None:
+        config = self.parallel_config()
+        config.validate()
+        unbuilt = [name for name in ("pipeline_parallel_size", "data_parallel_size",
+                                     "prefill_context_parallel_size") if getattr(self, name) != 1]
+        if unbuilt:
+            raise ValueError(f"{', '.join(f'`{n}`' for n in unbuilt)} must be 1: this engine "
+                             "runs tensor and expert parallelism so far")
+        backend = self.executor_backend
+        if backend not in ("uni", "mp"):
+            raise ValueError("`distributed_executor_backend` must be 'uni' or 'mp', got "
+                             f"{backend!r}")
+        if backend == "uni" and config.world_size > 1:
+            raise ValueError(f"a world of {config.world_size} ranks needs the 'mp' executor, "
+                             "not 'uni'")
+        device = self.resolve_device()
+        if device.type == "cuda" and (device.index or 0) + config.world_size \
+                > torch.cuda.device_count():
+            raise ValueError(f"{config.world_size} ranks need as many GPUs; this machine has "
+                             f"{torch.cuda.device_count()}")
 
     def _validate_model(self) -> None:
         # Checked before anything loads, so a typo is not reported as a missing file inside

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from pathlib import Path
 
 import torch
@@ -14,7 +15,9 @@ from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compil
 from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
+from muse.engine.executor import Executor, MultiprocExecutor, UniExecutor, free_init_method
 from muse.engine.runner import LaunchedStep, ModelRunner, allocate_kv_caches
+from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import ScheduledRequest, Scheduler
 from muse.model.decoder import EngineModel
@@ -77,7 +80,12 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
-        self.device = args.resolve_device()
+        self.device = args.rank_device(0)
+        self.world_size = args.parallel_config().world_size
+        # With several ranks each step is read back before the next is built (the other
+        # ranks get the step's token ids from the host), and runs eagerly.
+        self.overlap_schedule = args.overlap_schedule and self.world_size == 1
+        worker_processes = self._start_world() if self.world_size > 1 else []
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
         self.config = self.model_config.text_config
         self.model = model.eval()
@@ -98,8 +106,16 @@ class EngineCore:
         self.max_model_len = self._check_capacity(num_blocks)
         kv_caches = allocate_kv_caches(self.config, self.model.num_kv_heads, num_blocks,
                                        args.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, kv_caches, self.device,
-                                  self._decode_graphs(kv_caches))
+        worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
+                             self._decode_graphs(kv_caches))
+        if worker_processes:
+            from muse.distributed.parallel_state import get_world_group
+
+            get_world_group().broadcast_object(num_blocks, src=0)
+            executor: Executor = MultiprocExecutor(worker, worker_processes)
+        else:
+            executor = UniExecutor(worker)
+        self.runner = ModelRunner(self.kv_cache, executor, self.device)
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
@@ -112,6 +128,27 @@ class EngineCore:
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
                               for kind, n in num_blocks.items()),
                     sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20, self.max_model_len)
+
+    def _start_world(self) -> list[multiprocessing.Process]:
+        """Start a worker process per rank but this one, then join the world as rank 0."""
+        from muse.distributed.parallel_state import init_distributed
+        from muse.engine.worker_main import run_worker
+
+        init_method = free_init_method()
+        spawn = multiprocessing.get_context("spawn")
+        processes = [spawn.Process(target=run_worker, args=(rank, self.args, init_method),
+                                   name=f"muse-worker-{rank}", daemon=True)
+                     for rank in range(1, self.world_size)]
+        for process in processes:
+            process.start()
+        init_distributed(self.args.parallel_config(), 0, init_method,
+                         backend="nccl" if self.device.type == "cuda" else "gloo",
+                         local_rank=self.device.index)
+        return processes
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any) and leave the world."""
+        self.runner.executor.shutdown()
 
     def _check_capacity(self, num_blocks: dict[str, int]) -> int:
         """`max_model_len`, checked against the model and against what the cache can hold."""
@@ -139,7 +176,7 @@ class EngineCore:
     def _decode_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                        ) -> DecodeGraphs | None:
         """Captured decode graphs, on CUDA unless `enforce_eager`."""
-        if self.device.type != "cuda" or self.args.enforce_eager:
+        if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
             return None
         block_size = self.args.block_size
         widths = {kind: -(-self.max_model_len // block_size) for kind in self.kv_cache.pools}
@@ -279,7 +316,7 @@ class EngineCore:
         launched = self._launch(output.scheduled, previous) if output.scheduled else None
         changed = self._resolve(previous) if previous is not None else []
         if launched is not None:
-            if self.args.overlap_schedule and not any(
+            if self.overlap_schedule and not any(
                     r.needs_token_values for r in launched.sampled):
                 self.in_flight = launched
             else:

@@ -8,13 +8,12 @@ import torch
 
 from muse.config import TextConfig
 from muse.engine.kv_cache import KVCacheManager
-from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.executor import Executor
 from muse.engine.metadata import HostBatch
 from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
-from muse.model.decoder import EngineModel
 
 
 @dataclass
@@ -50,15 +49,17 @@ def allocate_kv_caches(config: TextConfig, num_kv_heads: int, num_blocks: dict[s
 
 
 class ModelRunner:
-    def __init__(self, model: EngineModel, kv_cache: KVCacheManager,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 decode_graphs: DecodeGraphs | None = None) -> None:
-        self.model = model
+    """The driver's side of a step: the batch from the scheduled requests, then sampling.
+
+    The forward pass itself is the executor's: this process's worker alone, or every rank's.
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, executor: Executor, device: torch.device
+                 ) -> None:
         self.kv_cache = kv_cache
-        self.kv_caches = kv_caches
+        self.executor = executor
         self.device = device
         self.block_size = kv_cache.block_size
-        self.decode_graphs = decode_graphs
         self.grammar_compiler = None  # set by the engine once a request is constrained
 
     def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
@@ -100,65 +101,48 @@ class ModelRunner:
                 sources.append(rows[item.request])
         return targets, sources
 
-    def _fill_pending(self, input_ids: torch.Tensor, pending: tuple[list[int], list[int]],
-                      previous: LaunchedStep | None) -> None:
-        """Write the previous step's sampled tokens into this step's input ids, on the device."""
-        targets, sources = pending
-        if not targets:
-            return
-        if targets == sources == list(range(len(targets))):
-            # Steady decoding: the same requests in the same order, no index tensors needed.
-            input_ids[:len(targets)].copy_(previous.tokens[:len(targets)])
-            return
-        index = to_device([targets, sources], self.device)
-        input_ids.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
-
-    def _forward(self, batch: HostBatch, pending: tuple[list[int], list[int]],
-                 previous: LaunchedStep | None) -> torch.Tensor:
-        """Final hidden states of the step's tokens: a captured graph when one fits."""
-        if self.decode_graphs is not None:
-            size = self.decode_graphs.prepare(batch)
-            if size is not None:
-                self._fill_pending(self.decode_graphs.input_ids, pending, previous)
-                return self.decode_graphs.replay(size, batch.num_requests)
-        input_ids, meta = batch.to_device(self.device, self.block_size)
-        self._fill_pending(input_ids, pending, previous)
-        return self.model(input_ids, meta, self.kv_caches)
-
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None
                ) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device.
 
         Input tokens of `previous` not read back yet are taken from its device tensor."""
-        hidden = self._forward(self._host_batch(scheduled),
-                               self._pending_inputs(scheduled, previous), previous)
         step = LaunchedStep(scheduled, [s.request.num_computed_tokens for s in scheduled], [])
-        sample_rows, sample_index = [], []
+        # The rows whose logits the step needs: prompt positions that predict a prompt token
+        # (prompt logprobs), then each sampling request's last position. One LM-head call.
+        logits_rows: list[int] = []
+        prompt_spans: list[tuple[str, list[int], int, int]] = []
+        sample_rows: list[SamplingRow] = []
+        sample_index: list[int] = []
         offset = 0
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            last = offset + item.num_new_tokens - 1
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 # Positions start..end-1 predict the prompt tokens start+1..end.
                 stop = min(end, request.num_prompt_tokens - 1)
-                logits = self.model.compute_logits(hidden[offset:offset + stop - start])
-                targets = to_device(request.prompt_token_ids[start + 1:stop + 1], self.device)
-                step.prompt_logprobs[request.request_id] = prompt_logprobs(
-                    logits, targets, request.params.prompt_logprobs)
+                prompt_spans.append((request.request_id,
+                                     request.prompt_token_ids[start + 1:stop + 1],
+                                     len(logits_rows), request.params.prompt_logprobs))
+                logits_rows.extend(range(offset, offset + stop - start))
             if end == request.num_tokens:
-                sample_index.append(last)
+                sample_index.append(offset + item.num_new_tokens - 1)
                 step.sampled.append(request)
                 sample_rows.append(SamplingRow(request.params, request.prompt_token_ids,
                                                request.output_token_ids, request.eos_token_ids,
                                                request.generator, request.grammar,
                                                request.num_pending_tokens))
             offset += item.num_new_tokens
+        first_sample = len(logits_rows)
+        logits = self.executor.execute(
+            self._host_batch(scheduled), logits_rows + sample_index,
+            self._pending_inputs(scheduled, previous),
+            previous.tokens if previous is not None else None)
+        for request_id, targets, row, num_top in prompt_spans:
+            step.prompt_logprobs[request_id] = prompt_logprobs(
+                logits[row:row + len(targets)], to_device(targets, self.device), num_top)
         if sample_rows:
-            if sample_index != list(range(hidden.shape[0])):
-                hidden = hidden[to_device(sample_index, self.device)]
-            step.tokens, step.logprobs = sample_on_device(self.model.compute_logits(hidden),
-                                                          sample_rows, self.grammar_compiler)
+            step.tokens, step.logprobs = sample_on_device(logits[first_sample:], sample_rows,
+                                                          self.grammar_compiler)
             step.tokens_on_host = HostCopy(step.tokens)
         return step

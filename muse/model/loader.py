@@ -10,7 +10,7 @@ named tensors in memory (a preset's seeded random weights).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,21 @@ def _is_tied_head(model: nn.Module, name: str) -> bool:
 
 
 def load_checkpoint(model: nn.Module, directory: str | Path) -> None:
-    """Stream a checkpoint folder (one file or shards, safetensors) into `model`."""
+    """Stream a checkpoint folder (one file or shards, safetensors) into `model`.
+
+    Slices are views of the memory-mapped shards, so reading allocates nothing beyond the
+    parameters; the pages of a shard that were read stay mapped until it is released, so the
+    shards are loaded one after the other and each is released when its tensors are in.
+    """
     with CheckpointReader(directory) as reader:
-        load_named_tensors(model, ((name, reader.get_slice(name)) for name in reader.names()),
-                           f"checkpoint {directory}")
+        load_named_tensors(model, _slices_shard_by_shard(reader), f"checkpoint {directory}")
+
+
+def _slices_shard_by_shard(reader: CheckpointReader) -> Iterator[tuple[str, Any]]:
+    names_of: dict[str, list[str]] = {}
+    for name in reader.names():  # an index may list the shards' tensors interleaved
+        names_of.setdefault(reader.file_of(name), []).append(name)
+    for file, names in names_of.items():
+        for name in names:
+            yield name, reader.get_slice(name)
+        reader.release(file)

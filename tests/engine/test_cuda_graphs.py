@@ -37,7 +37,7 @@ def test_graph_replays_match_eager_steps():
         llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", enforce_eager=eager,
                   max_num_seqs=16)
         outputs[eager] = llm.generate(prompts, params)
-        graphs = llm.engine.runner.decode_graphs
+        graphs = llm.engine.runner.executor.worker.decode_graphs
         if eager:
             assert graphs is None
         else:
@@ -62,18 +62,19 @@ def test_padded_graph_inputs_give_the_eager_hidden_states():
     scheduled = engine.scheduler.schedule().scheduled
     assert all(item.num_new_tokens == 1 for item in scheduled) and len(scheduled) == 3
     runner = engine.runner
+    kv_caches = runner.executor.worker.kv_caches
     batch = runner._host_batch(scheduled)
     input_ids, meta = batch.to_device(engine.device, runner.block_size)
     with torch.inference_mode():
-        eager = engine.model(input_ids, meta, runner.kv_caches)
+        eager = engine.model(input_ids, meta, kv_caches)
 
     widths = {kind: 40 for kind in engine.kv_cache.pools}  # wider than needed, as captured
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, widths, 8, runner.block_size,
+    graphs = DecodeGraphs(engine.model, kv_caches, widths, 8, runner.block_size,
                           engine.device)
     size = graphs.prepare(batch)
     assert size == 4  # three requests padded to the bucket of four
     with torch.inference_mode():
-        padded = engine.model(*graphs._inputs(size), runner.kv_caches)
+        padded = engine.model(*graphs._inputs(size), kv_caches)
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     # The tiny preset has both kinds of layers, so both kinds of tables were padded.
     assert set(widths) == {"sliding_attention", "full_attention"}

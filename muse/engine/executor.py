@@ -1,0 +1,101 @@
+"""Executors: how a step reaches the workers that hold the model.
+
+- `UniExecutor`: one worker, in this process (one device; the default).
+- `MultiprocExecutor`: this process is rank 0 and one process per other rank runs a worker on
+  the same host; each step's batch is broadcast to them (over the world's CPU group) before
+  rank 0 runs its own share, so every rank makes the same collective calls in the same order.
+
+What crosses the process boundary per step is the `HostBatch` (token ids, positions, slots,
+block tables) and the logits rows: no request objects, no sampling state. The driver samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from muse.engine.metadata import HostBatch
+from muse.engine.worker import ModelWorker, PendingInputs
+
+logger = logging.getLogger("muse.engine")
+# How long rank 0 waits for a worker process to join the world before giving up.
+WORKER_START_TIMEOUT_S = 600.0
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
+                previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Logits of `logits_rows`, on the driver's device."""
+
+    def shutdown(self) -> None:
+        """Stop the workers this executor started (none for in-process execution)."""
+
+
+class UniExecutor(Executor):
+    def __init__(self, worker: ModelWorker) -> None:
+        self.worker = worker
+
+    def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
+                previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        return self.worker.execute(batch, logits_rows, pending, previous_tokens)
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What every other rank needs to run a step (the driver's pending inputs are not used:
+    with several ranks the driver reads each step back before building the next)."""
+
+    batch: HostBatch
+    logits_rows: list[int]
+
+
+class MultiprocExecutor(Executor):
+    """Rank 0 here; `processes` are the other ranks, already running `run_worker`."""
+
+    def __init__(self, worker: ModelWorker, processes: list[multiprocessing.Process]) -> None:
+        from muse.distributed.parallel_state import get_world_group
+
+        self.worker = worker
+        self.processes = processes
+        self.world = get_world_group()
+
+    def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
+                previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        self._check_alive()
+        self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
+        return self.worker.execute(batch, logits_rows)
+
+    def _check_alive(self) -> None:
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1)
+                if not p.is_alive()]
+        if dead:
+            raise RuntimeError("worker rank(s) exited: " + ", ".join(
+                f"rank {rank} (exit code {code})" for rank, code in dead))
+
+    def shutdown(self) -> None:
+        from muse.distributed.parallel_state import destroy_distributed
+
+        if all(p.is_alive() for p in self.processes):
+            try:
+                self.world.broadcast_object(None, src=0)
+            except RuntimeError:
+                pass  # a rank already gone: end the others below
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        destroy_distributed()
+
+
+def free_init_method() -> str:
+    """A TCP rendezvous address on this host for a new world."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"

@@ -1,0 +1,39 @@
+"""The entry point of a worker process (ranks 1..N-1 of the multiprocess executor).
+
+It joins the world, builds its shard of the model the same way rank 0 does, allocates its KV
+tensors for the block counts rank 0 decided, then runs each step rank 0 broadcasts until told
+to stop. It exits when the driver goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from muse.engine.args import EngineArgs
+
+logger = logging.getLogger("muse.engine")
+
+
+def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
+    from muse.distributed.parallel_state import (destroy_distributed, get_world_group,
+                                                 init_distributed)
+    from muse.engine.engine import load_engine_model
+    from muse.engine.runner import allocate_kv_caches
+    from muse.engine.worker import ModelWorker
+
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(name)s: %(message)s")
+    device = args.rank_device(rank)
+    init_distributed(args.parallel_config(), rank, init_method,
+                     backend="nccl" if device.type == "cuda" else "gloo",
+                     local_rank=device.index)
+    world = get_world_group()
+    try:
+        _, model, dtype = load_engine_model(args, device)
+        num_blocks = world.broadcast_object(None, src=0)
+        kv_caches = allocate_kv_caches(model.config, model.num_kv_heads, num_blocks,
+                                       args.block_size, dtype, device)
+        worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
+        while (message := world.broadcast_object(None, src=0)) is not None:
+            worker.execute(message.batch, message.logits_rows)
+    finally:
+        destroy_distributed()
