@@ -94,9 +94,11 @@ class EngineCore:
 
         budget = kv_budget_bytes(args.kv_cache_memory_bytes, self.device,
                                  args.gpu_memory_utilization)
+        # Per rank: each holds its share of the K/V heads; rank 0's count holds for all.
         num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
                                   args.max_num_seqs, args.max_num_batched_tokens,
-                                  args.max_model_len or self.config.max_position_embeddings)
+                                  args.max_model_len or self.config.max_position_embeddings,
+                                  self.model.num_kv_heads)
         if min(num_blocks.values()) < 2:
             raise ValueError(f"a KV cache budget of {budget / 2**20:.1f} MiB is too small for "
                              "this model; raise `kv_cache_memory_bytes` or "
@@ -123,7 +125,7 @@ class EngineCore:
         # Requests whose grammar is compiling: not scheduled, no KV blocks (group id -> job).
         self.grammar_waiting: dict[str, CompileJob] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
-        sizes = block_bytes(self.config, args.block_size, self.dtype)
+        sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
         logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
                               for kind, n in num_blocks.items()),

@@ -19,15 +19,18 @@ def kv_budget_bytes(explicit: int | None, device: torch.device, utilization: flo
     return max(0, int(total * utilization) - (total - free))
 
 
-def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes one block of each kind takes over all layers of that kind (K and V)."""
-    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype,
+                num_kv_heads: int | None = None) -> dict[str, int]:
+    """Bytes one block of each kind takes over all layers of that kind (K and V), with
+    `num_kv_heads` per layer (a rank's share; default: all of the model's)."""
+    heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    per_layer = 2 * block_size * heads * config.head_dim * dtype.itemsize
     return {kind: per_layer * config.layer_types.count(kind) for kind in dict.fromkeys(config.layer_types)}
 
 
 def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.dtype,
                  max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> dict[str, int]:
+                 max_model_len: int, num_kv_heads: int | None = None) -> dict[str, int]:
     """Blocks per kind (the null block included).
 
     Sliding layers never hold more tokens than global ones, and each running request keeps at
@@ -36,7 +39,7 @@ def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.
     the rest. No pool gets more than `max_num_seqs` full-length sequences could hold: a small
     model on a large GPU would otherwise take all its memory for blocks nobody can use.
     """
-    sizes = block_bytes(config, block_size, dtype)
+    sizes = block_bytes(config, block_size, dtype, num_kv_heads)
     most = max_num_seqs * -(-max_model_len // block_size) + 1
     if len(sizes) == 1:
         (kind, size), = sizes.items()
