@@ -152,6 +152,10 @@ class EngineCore:
         """Stop the worker processes (if any) and leave the world."""
         self.runner.executor.shutdown()
 
+    def check_health(self) -> None:
+        """Raise if a worker rank is gone, even while no step runs."""
+        self.runner.executor.check_health()
+
     def _check_capacity(self, num_blocks: dict[str, int]) -> int:
         """`max_model_len`, checked against the model and against what the cache can hold."""
         limit = self.config.max_position_embeddings

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -23,8 +24,12 @@ from muse.engine.metadata import HostBatch
 from muse.engine.worker import ModelWorker, PendingInputs
 
 logger = logging.getLogger("muse.engine")
-# How long rank 0 waits for a worker process to join the world before giving up.
-WORKER_START_TIMEOUT_S = 600.0
+# After a failed collective, how long to wait for the process that caused it to be seen dead.
+DEATH_GRACE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A worker rank died or stopped answering: the engine cannot go on."""
 
 
 class Executor(ABC):
@@ -35,6 +40,9 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers this executor started (none for in-process execution)."""
+
+    def check_health(self) -> None:
+        """Raise `WorkerError` if a worker is gone (cheap: called while idle too)."""
 
 
 class UniExecutor(Executor):
@@ -68,15 +76,27 @@ class MultiprocExecutor(Executor):
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
                 previous_tokens: torch.Tensor | None) -> torch.Tensor:
         self._check_alive()
-        self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
-        return self.worker.execute(batch, logits_rows)
+        try:
+            self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
+            return self.worker.execute(batch, logits_rows)
+        except RuntimeError:
+            # A collective failed: name the rank that left rather than the transport's error.
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while time.monotonic() < deadline and all(p.is_alive() for p in self.processes):
+                time.sleep(0.05)
+            self._check_alive()
+            raise WorkerError("a collective with the other ranks failed (a worker hung or "
+                              "crashed; see its log)") from None
+
+    def check_health(self) -> None:
+        self._check_alive()
 
     def _check_alive(self) -> None:
         dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1)
                 if not p.is_alive()]
         if dead:
-            raise RuntimeError("worker rank(s) exited: " + ", ".join(
-                f"rank {rank} (exit code {code})" for rank, code in dead))
+            raise WorkerError("worker " + ", ".join(
+                f"rank {rank} exited with code {code}" for rank, code in dead))
 
     def shutdown(self) -> None:
         from muse.distributed.parallel_state import destroy_distributed

@@ -240,9 +240,12 @@ class ProcessEngineClient(EngineClient):
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(FromEngine)
         spawn = multiprocessing.get_context("spawn")
+        # Not a daemon, so that it may start worker processes of its own (tensor parallelism);
+        # it is ended at exit below, and exits by itself when this process is gone.
         self.process = spawn.Process(target=run_engine_process, name="muse-engine-core",
-                                     args=(self.args, to_engine, from_engine), daemon=True)
+                                     args=(self.args, to_engine, from_engine))
         self.process.start()
+        atexit.register(_kill_if_alive, self.process)
         self.tasks = [asyncio.create_task(self._read_outputs()),
                       asyncio.create_task(self._watch_process())]
         waited = 0.0
@@ -297,3 +300,11 @@ class ProcessEngineClient(EngineClient):
         self.context.term()
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _kill_if_alive(process: multiprocessing.Process) -> None:
+    # Registered after multiprocessing's own exit handler, so it runs first: that handler
+    # joins non-daemon children and would otherwise wait for the engine forever.
+    if process.is_alive():
+        process.kill()
+        process.join()

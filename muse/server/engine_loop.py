@@ -117,6 +117,7 @@ class EngineLoop:
                 outputs.extend(self._outputs(self.engine.step()))
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S or outputs:
+                self.engine.check_health()  # a worker rank that died while idle
                 outputs.append(engine_stats(self.engine))
                 last_stats = now
             if outputs:
@@ -157,8 +158,10 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
                     break
         return commands
 
+    engine = None
     try:
-        loop = EngineLoop(EngineCore(args), receive, send)
+        engine = EngineCore(args)
+        loop = EngineLoop(engine, receive, send)
         send([loop.ready_message()])
         loop.run()
     except Exception as error:  # reported to the front end, which fails in-flight requests
@@ -166,6 +169,8 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
         send([EngineDead(f"{type(error).__name__}: {error}")])
         raise
     finally:
+        if engine is not None:
+            engine.shutdown()  # the worker processes of other ranks, if any
         outbox.close(linger=1000)
         inbox.close(linger=0)
         context.term()

@@ -104,6 +104,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--disable-log-stats", action="store_true",
         help="no periodic throughput / queue / KV-usage log lines (default: off: one every "
              "5 s while busy)")
+    add("--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks that split attention heads and expert / dense intermediate widths "
+             "(default: %(default)s)")
+    add("--enable-expert-parallel", action="store_true",
+        help="split whole experts over the ranks instead of each expert's width (default: off)")
+    add("--pipeline-parallel-size", "-pp", type=int, default=1,
+        help="contiguous layer stages (default: %(default)s; only 1 is supported so far)")
+    add("--data-parallel-size", "-dp", type=int, default=1,
+        help="data-parallel attention ranks (default: %(default)s; only 1 is supported so "
+             "far)")
+    add("--prefill-context-parallel-size", type=int, default=1,
+        help="ranks that split long prompts' prefill (default: %(default)s; only 1 is "
+             "supported so far)")
+    add("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+        help="uni: one process; mp: a process per rank on this host (default: mp when more "
+             "than one rank, else uni)")
+    add("--attention-backend", default="auto",
+        help="attention kernels by name: torch or triton (default: %(default)s: triton on "
+             "CUDA)")
+    add("--moe-backend", default="auto",
+        help="MoE kernels by name: torch or triton (default: %(default)s: triton on CUDA)")
     add("--engine-in-process", action="store_true",
         help="run the engine core in a thread of the server process (default: off)")
     apply_environment_defaults(parser)
@@ -149,7 +170,14 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        overlap_schedule=not args.disable_overlap_schedule)
+        overlap_schedule=not args.disable_overlap_schedule,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        attention_backend=args.attention_backend, moe_backend=args.moe_backend)
 
 
 def build_from_args(args: argparse.Namespace, on_engine_death=None):
