@@ -81,6 +81,20 @@ class LinearBase(nn.Module):
                       shard_id: ShardId | None = None) -> None:
         raise NotImplementedError
 
+    def _load_split(self, param: nn.Parameter, loaded: Any, shard_id: ShardId | None,
+                    dim_attribute: str) -> None:
+        """This rank's equal part along the dimension the parameter tags with
+        `dim_attribute` ("output_dim" or "input_dim"); untagged parameters load whole."""
+        if shard_id is not None:
+            raise ValueError(f"{self._name(param)} is not fused: shard_id must be None, "
+                             f"got {shard_id!r}")
+        source = LazySlice.of(loaded)
+        dim = getattr(param, dim_attribute, None)
+        if dim is not None:
+            size = param.shape[dim]
+            source = source.narrow(dim, self.tp_rank * size, size)
+        copy_into(param.data, source, self._name(param))
+
     def _name(self, param: nn.Parameter) -> str:
         """The parameter's name for error messages (loaders get the object, not the name)."""
         name = next((key for key, value in self._parameters.items() if value is param), "?")
@@ -130,15 +144,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self._name(param)} is not fused: shard_id must be None, "
-                             f"got {shard_id!r}")
-        source = LazySlice.of(loaded)
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None:
-            size = param.shape[output_dim]
-            source = source.narrow(output_dim, self.tp_rank * size, size)
-        copy_into(param.data, source, self._name(param))
+        self._load_split(param, loaded, shard_id, "output_dim")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
@@ -293,15 +299,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self._name(param)} is not fused: shard_id must be None, "
-                             f"got {shard_id!r}")
-        source = LazySlice.of(loaded)
-        input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None:
-            size = param.shape[input_dim]
-            source = source.narrow(input_dim, self.tp_rank * size, size)
-        copy_into(param.data, source, self._name(param))
+        self._load_split(param, loaded, shard_id, "input_dim")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -145,23 +145,23 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
 def linear_method(quant_config: QuantizationConfig | None, layer: nn.Module,
                   prefix: str) -> LinearMethodBase:
-    method = quant_config.get_quant_method(layer, prefix) if quant_config is not None else None
-    if method is None:
-        return UnquantizedLinearMethod()
-    if not isinstance(method, LinearMethodBase):
-        raise TypeError(f"{type(quant_config).__name__} gave {type(method).__name__} for the "
-                        f"linear layer `{prefix}`; it must be a LinearMethodBase")
-    return method
+    return _method(quant_config, layer, prefix, LinearMethodBase, UnquantizedLinearMethod)
 
 
 def moe_method(quant_config: QuantizationConfig | None, layer: nn.Module,
                prefix: str) -> FusedMoEMethodBase:
+    return _method(quant_config, layer, prefix, FusedMoEMethodBase, UnquantizedFusedMoEMethod)
+
+
+def _method(quant_config: QuantizationConfig | None, layer: nn.Module, prefix: str,
+            base: type, unquantized: type) -> Any:
+    """The config's method for `layer`, checked to be a `base`; unquantized when none."""
     method = quant_config.get_quant_method(layer, prefix) if quant_config is not None else None
     if method is None:
-        return UnquantizedFusedMoEMethod()
-    if not isinstance(method, FusedMoEMethodBase):
-        raise TypeError(f"{type(quant_config).__name__} gave {type(method).__name__} for the "
-                        f"MoE layer `{prefix}`; it must be a FusedMoEMethodBase")
+        return unquantized()
+    if not isinstance(method, base):
+        raise TypeError(f"{type(quant_config).__name__} gave {type(method).__name__} for "
+                        f"`{prefix}`; it must be a {base.__name__}")
     return method
 
 

@@ -160,7 +160,7 @@ def test_config_giving_the_wrong_kind_of_method() -> None:
 
         def apply(self, *args, **kwargs) -> torch.Tensor: ...
 
-    with pytest.raises(TypeError, match="linear layer `o_proj`; it must be a LinearMethodBase"):
+    with pytest.raises(TypeError, match="`o_proj`; it must be a LinearMethodBase"):
         RowParallelLinear(32, 8, quant_config=ToyConfig(method=MoEOnly()), prefix="o_proj")
-    with pytest.raises(TypeError, match="MoE layer `experts`; it must be a FusedMoEMethodBase"):
+    with pytest.raises(TypeError, match="`experts`; it must be a FusedMoEMethodBase"):
         FusedMoE(4, 16, 8, quant_config=ToyConfig(), prefix="experts")
