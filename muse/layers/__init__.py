@@ -6,6 +6,7 @@
 - `linear.py`: replicated, column, merged column, QKV and row parallel linear layers.
 - `embedding.py`: vocabulary-parallel embedding and LM head.
 - `fused_moe.py`: the latent MoE's routed experts, sharded over TP or EP.
+- `norm.py`: RMSNorm's replicated weight (the math is the kernel backend's).
 
 Nothing here imports `muse.engine`: the layers sit below it.
 """
