@@ -229,9 +229,6 @@ def parallel_plan(config: MuseSparkConfig, parallel: ParallelConfig,
     largest = max(stages, key=lambda st: st.weight_bytes_total).stage
     gpus_per_stage = parallel.world_size // pp
     notes = []
-    if pp > 1:
-        notes.append("muse's engine model builds every layer on every rank so far (no "
-                     "pipeline stages); these figures are the layout's, as vLLM would hold it")
     if parallel.enable_expert_parallel and parallel.expert_parallel_size != tp:
         notes.append("muse's FusedMoE runs expert parallelism only with data and "
                      "prefill-context parallel size 1 so far (DP + EP needs the all-to-all "

@@ -115,8 +115,8 @@ def test_tensor_parallel_2_and_with_pipeline_parallel_2(tp2_models) -> None:
         tp2 = ParallelConfig(tensor_parallel_size=2)
         for rank in range(2):
             check_rank(tp2_models[rank][key], config, tp2, rank)
-        # The engine model builds every layer (no pipeline stages yet): a TP2 x PP2 rank holds
-        # the TP2 model's parameters of its stage, which the same TP group of 2 creates.
+        # A TP2 x PP2 rank holds the TP2 model's parameters of its stage (the same TP group
+        # of 2 creates them), so one world of 2 checks both layouts.
         tp2_pp2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
         for rank in range(tp2_pp2.world_size):
             tp_rank = tp2_pp2.coordinates(rank).tp

@@ -117,11 +117,11 @@ class EngineArgs:
     def _validate_parallel(self) -> None:
         config = self.parallel_config()
         config.validate()
-        unbuilt = [name for name in ("pipeline_parallel_size", "data_parallel_size",
-                                     "prefill_context_parallel_size") if getattr(self, name) != 1]
+        unbuilt = [name for name in ("data_parallel_size", "prefill_context_parallel_size")
+                   if getattr(self, name) != 1]
         if unbuilt:
             raise ValueError(f"{', '.join(f'`{n}`' for n in unbuilt)} must be 1: this engine "
-                             "runs tensor and expert parallelism so far")
+                             "runs tensor, pipeline and expert parallelism so far")
         backend = self.executor_backend
         if backend not in ("uni", "mp"):
             raise ValueError("`distributed_executor_backend` must be 'uni' or 'mp', got "

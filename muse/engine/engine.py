@@ -92,9 +92,12 @@ class EngineCore:
         self.tokenizer = load_tokenizer(args)
         self.eos_token_ids = tuple(self.config.eos_token_ids)
 
+        # Per rank: each holds its share of the K/V heads and of the layers (a pipeline
+        # stage's); the block counts are rank 0's for all, sized as if this rank's budget
+        # covered its 1/pp of the layers (stages with more global layers use a bit more).
         budget = kv_budget_bytes(args.kv_cache_memory_bytes, self.device,
-                                 args.gpu_memory_utilization)
-        # Per rank: each holds its share of the K/V heads; rank 0's count holds for all.
+                                 args.gpu_memory_utilization) \
+            * args.parallel_config().pipeline_parallel_size
         num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
                                   args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len or self.config.max_position_embeddings,
@@ -106,8 +109,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(args.block_size, num_blocks, self.config.sliding_window,
                                        args.enable_prefix_caching)
         self.max_model_len = self._check_capacity(num_blocks)
-        kv_caches = allocate_kv_caches(self.config, self.model.num_kv_heads, num_blocks,
-                                       args.block_size, self.dtype, self.device)
+        kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size, self.dtype,
+                                       self.device)
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
                              self._decode_graphs(kv_caches))
         if worker_processes:

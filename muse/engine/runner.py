@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from muse.config import TextConfig
-from muse.engine.kv_cache import KVCacheManager
 from muse.engine.executor import Executor
+from muse.engine.kv_cache import KVCacheManager
 from muse.engine.metadata import HostBatch
 from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
+from muse.model.decoder import EngineModel
 
 
 @dataclass
@@ -35,14 +35,14 @@ class LaunchedStep:
         return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
 
 
-def allocate_kv_caches(config: TextConfig, num_kv_heads: int, num_blocks: dict[str, int],
-                       block_size: int, dtype: torch.dtype, device: torch.device
+def allocate_kv_caches(model: EngineModel, num_blocks: dict[str, int], block_size: int,
+                       dtype: torch.dtype, device: torch.device
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, shaped [blocks of its kind, block_size, kv_heads, head_dim]
-    (the K/V heads this rank holds)."""
+    """One (K, V) pair per layer this rank holds (its pipeline stage's), shaped
+    [blocks of its kind, block_size, kv_heads, head_dim] (the K/V heads this rank holds)."""
     caches = []
-    for kind in config.layer_types:
-        shape = (num_blocks[kind], block_size, num_kv_heads, config.head_dim)
+    for kind in model.layer_types:
+        shape = (num_blocks[kind], block_size, model.num_kv_heads, model.config.head_dim)
         caches.append((torch.zeros(shape, dtype=dtype, device=device),
                        torch.zeros(shape, dtype=dtype, device=device)))
     return caches

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from muse.distributed.parallel_state import get_pp_group
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.metadata import HostBatch
 from muse.engine.transfer import to_device
@@ -33,14 +34,45 @@ class ModelWorker:
     @torch.inference_mode()
     def execute(self, batch: HostBatch, logits_rows: list[int],
                 pending: PendingInputs = ([], []),
-                previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows."""
-        hidden = self._forward(batch, pending, previous_tokens)
+                previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows, on
+        the first and the last pipeline stage (None on the stages between)."""
+        if get_pp_group().world_size > 1:
+            return self._execute_stage(batch, logits_rows)
+        return self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
+
+    def _logits(self, hidden: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
         if not logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         if logits_rows != list(range(hidden.shape[0])):
             hidden = hidden[to_device(logits_rows, self.device)]
         return self.model.compute_logits(hidden)
+
+    def _execute_stage(self, batch: HostBatch, logits_rows: list[int]) -> torch.Tensor | None:
+        """One pipeline stage: the previous stage's (hidden, residual) in, ours out to the
+        next; the last stage's logits go back to the first, which samples."""
+        stages, model = get_pp_group(), self.model
+        input_ids, meta = batch.to_device(self.device, self.block_size)
+        intermediate = None
+        if not model.is_first_stage:
+            shape = (input_ids.shape[0], model.config.hidden_size)
+            dtype = next(model.parameters()).dtype
+            intermediate = (stages.recv(shape, dtype, stages.prev_rank, self.device),
+                            stages.recv(shape, dtype, stages.prev_rank, self.device))
+        out = model(input_ids, meta, self.kv_caches, intermediate=intermediate)
+        last = stages.world_size - 1
+        logits_shape = (len(logits_rows), model.config.vocab_size)
+        if not model.is_last_stage:
+            hidden, residual = out
+            stages.send(hidden, stages.next_rank)
+            stages.send(residual, stages.next_rank)
+            if model.is_first_stage and logits_rows:
+                return stages.recv(logits_shape, torch.float32, last, self.device)
+            return None
+        logits = self._logits(out, logits_rows)
+        if logits_rows:
+            stages.send(logits, 0)
+        return logits
 
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:

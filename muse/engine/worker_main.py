@@ -30,8 +30,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
     try:
         _, model, dtype = load_engine_model(args, device)
         num_blocks = world.broadcast_object(None, src=0)
-        kv_caches = allocate_kv_caches(model.config, model.num_kv_heads, num_blocks,
-                                       args.block_size, dtype, device)
+        kv_caches = allocate_kv_caches(model, num_blocks, args.block_size, dtype, device)
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
         while (message := world.broadcast_object(None, src=0)) is not None:
             worker.execute(message.batch, message.logits_rows)

@@ -10,10 +10,13 @@ reference decoder (`muse.reference`) computes the same function and is the tests
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from muse.config import LAYER_TYPES, TextConfig
+from muse.distributed.parallel_state import get_pp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import ModelBackends
 from muse.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -23,6 +26,7 @@ from muse.model.moe import EngineMLP, EngineMoE
 from muse.rope import cos_sin, inverse_frequencies
 
 Rotary = dict[str, tuple[torch.Tensor, torch.Tensor]]
+_LAYER_NAME = re.compile(r"^model\.layers\.(?P<index>\d+)\.")
 
 
 class EngineDecoderLayer(nn.Module):
@@ -60,25 +64,45 @@ class EngineDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The contiguous layers of one pipeline stage (stages hold equal numbers)."""
+    if num_layers % num_stages:
+        raise ValueError(f"num_hidden_layers ({num_layers}) must be divisible by "
+                         f"pipeline_parallel_size ({num_stages})")
+    per_stage = num_layers // num_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
 class EngineModel(nn.Module):
+    """The decoder, or this rank's pipeline stage of it: its contiguous layers, the first
+    stage also the embedding, the last the final norm and the LM head. Layers keep their
+    global index in parameter names (`model.layers.{i}`), so checkpoints load unchanged."""
+
     def __init__(self, config: TextConfig, backends: ModelBackends,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         self.norms = backends.attention
         dtype = params_dtype or torch.get_default_dtype()
+        stages = get_pp_group()
+        self.is_first_stage, self.is_last_stage = stages.is_first_rank, stages.is_last_rank
+        self.layer_indices = stage_layers(config.num_hidden_layers, stages.world_size,
+                                          stages.rank_in_group)
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                         params_dtype=dtype,
-                                                         prefix="model.embed_tokens")
-        self.model.layers = nn.ModuleList(
-            EngineDecoderLayer(config, i, backends, dtype, f"model.layers.{i}")
-            for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, "model.norm")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype,
-                                      prefix="lm_head")
-        if config.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.is_first_stage:
+            self.model.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, params_dtype=dtype,
+                prefix="model.embed_tokens")
+        self.model.layers = nn.ModuleDict({
+            str(i): EngineDecoderLayer(config, i, backends, dtype, f"model.layers.{i}")
+            for i in self.layer_indices})
+        if self.is_last_stage:
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                      "model.norm")
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          params_dtype=dtype, prefix="lm_head")
+            if config.tie_word_embeddings and self.is_first_stage:
+                self.lm_head.tie_weights(self.model.embed_tokens)
         self._rope = {kind: inverse_frequencies(config.rope_parameters[kind], config.head_dim)
                       for kind in LAYER_TYPES}
         self._rope_on_device: dict[torch.device, dict[str, tuple[torch.Tensor, float]]] = {}
@@ -86,7 +110,28 @@ class EngineModel(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """K/V heads each layer keeps on this rank (the KV cache's width)."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return next(iter(self.model.layers.values())).self_attn.num_kv_heads
+
+    @property
+    def layer_types(self) -> list[str]:
+        """The attention kind of each layer this rank holds, in order."""
+        return [self.config.layer_types[i] for i in self.layer_indices]
+
+    def checkpoint_target(self, name: str) -> str | None:
+        """The name a checkpoint tensor loads into on this rank, None when another pipeline
+        stage holds it. A tied LM head on a last stage that lacks the embedding loads the
+        embedding's table."""
+        match = _LAYER_NAME.match(name)
+        if match is not None:
+            return name if int(match["index"]) in self.layer_indices else None
+        if name.startswith("model.embed_tokens."):
+            if self.is_first_stage:
+                return name
+            tied = self.config.tie_word_embeddings and self.is_last_stage
+            return "lm_head.weight" if tied else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.is_last_stage else None
+        return name
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         # The frequencies move to the device once: a copy from the host cannot sit inside a
@@ -101,13 +146,23 @@ class EngineModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (before the last norm) of the step's tokens, [tokens, hidden]."""
-        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states (before the last norm) of the step's tokens, [tokens, hidden].
+
+        A pipeline stage after the first starts from the previous stage's `intermediate`
+        (layer output, residual); a stage before the last returns its own pair instead."""
+        if intermediate is not None:
+            x, residual = intermediate
+        else:
+            x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         rotary = self.rotary(meta.positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
+        if not self.is_last_stage:
+            return x, residual
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

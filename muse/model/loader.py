@@ -66,7 +66,10 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
     filled: set[str] = set()
     unexpected: list[str] = []
     for name, loaded in tensors:
-        target, arguments = route(name)
+        held = getattr(model, "checkpoint_target", lambda n: n)(name)
+        if held is None:
+            continue  # another pipeline stage's tensor
+        target, arguments = route(held)
         param = params.get(target)
         if param is None:
             if target not in params and _is_tied_head(model, target):

@@ -110,7 +110,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--enable-expert-parallel", action="store_true",
         help="split whole experts over the ranks instead of each expert's width (default: off)")
     add("--pipeline-parallel-size", "-pp", type=int, default=1,
-        help="contiguous layer stages (default: %(default)s; only 1 is supported so far)")
+        help="contiguous layer stages, one rank group each (default: %(default)s)")
     add("--data-parallel-size", "-dp", type=int, default=1,
         help="data-parallel attention ranks (default: %(default)s; only 1 is supported so "
              "far)")

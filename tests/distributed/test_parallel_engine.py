@@ -1,4 +1,5 @@
-"""Tensor and expert parallelism on CPU (gloo): greedy output equals the one-process engine's.
+"""Tensor, pipeline and expert parallelism on CPU (gloo): greedy output equals the one-process
+engine's.
 
 Each layout runs the tiny preset and a Qwen3-MoE checkpoint written by transformers, with
 chunked prefill, prefix-cache hits and preemptions forced by a small KV budget in the batch.
@@ -14,9 +15,10 @@ from muse import LLM, SamplingParams
 from tests.engine.helpers import MIN_GREEDY_GAP, mixed_prompts, reference_greedy
 
 MAX_TOKENS = 8
-# (tensor_parallel_size, enable_expert_parallel): 4 ranks replicate the 2 K/V heads.
-LAYOUTS = [(2, False), (4, False), (2, True), (4, True)]
-LAYOUT_IDS = ["tp2", "tp4", "ep2", "ep4"]
+# (tensor, pipeline, expert parallel): 4 TP ranks replicate the 2 K/V heads.
+LAYOUTS = [(2, 1, False), (4, 1, False), (2, 1, True), (4, 1, True), (1, 2, False),
+           (2, 2, False)]
+LAYOUT_IDS = ["tp2", "tp4", "ep2", "ep4", "pp2", "tp2xpp2"]
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +76,22 @@ def single_process(qwen3_moe: Path) -> dict[str, tuple[list, list, int]]:
     return expected
 
 
-@pytest.mark.parametrize(("tensor_parallel_size", "expert_parallel"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel"),
+                         LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("which", ["tiny", "qwen3-moe"])
 def test_parallel_greedy_equals_one_process(single_process, qwen3_moe, which,
-                                            tensor_parallel_size, expert_parallel):
+                                            tensor_parallel_size, pipeline_parallel_size,
+                                            expert_parallel):
     model = "muse-spark-tiny" if which == "tiny" else str(qwen3_moe)
     prompts, want, token_bytes, extra = single_process[model]
     one_rank_kv_heads = 2
     kv_heads = max(1, one_rank_kv_heads // tensor_parallel_size)
     # The same number of KV blocks as a one-process run with room for ~200 tokens: the batch
-    # cannot all fit, so requests are preempted and recomputed.
-    budget = 200 * token_bytes * kv_heads // one_rank_kv_heads
+    # cannot all fit, so requests are preempted and recomputed. A rank holds its share of the
+    # K/V heads and 1/pp of the layers.
+    budget = 200 * token_bytes * kv_heads // one_rank_kv_heads // pipeline_parallel_size
     got, stats = run(model, prompts, tensor_parallel_size=tensor_parallel_size,
+                     pipeline_parallel_size=pipeline_parallel_size,
                      enable_expert_parallel=expert_parallel, kv_cache_memory_bytes=budget,
                      **extra)
     assert got == want
