@@ -243,7 +243,7 @@ def test_load_checkpoint_reads_only_slices(monkeypatch: pytest.MonkeyPatch,
         k = reader.get(f"{prefix}.self_attn.k_proj.weight")
         v = reader.get(f"{prefix}.self_attn.v_proj.weight")
         o = reader.get(f"{prefix}.self_attn.o_proj.weight")
-    attention = model.model.layers[0].self_attn
+    attention = model.model.layers["0"].self_attn
     # 4 query heads and 2 KV heads of 16: rank 1 holds query heads 2-3 and KV head 1.
     expected = torch.cat([q[32:64], k[16:32], v[16:32]])
     torch.testing.assert_close(attention.qkv_proj.weight, expected, rtol=0, atol=0)
