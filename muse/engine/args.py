@@ -50,6 +50,8 @@ class EngineArgs:
     # "uni": one process (world size 1); "mp": a process per rank on this host (the default
     # when the world is larger).
     distributed_executor_backend: str | None = None
+    # A collective between ranks that takes longer than this fails (a hung rank).
+    distributed_timeout_s: float = 600.0
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

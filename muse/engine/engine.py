@@ -117,7 +117,8 @@ class EngineCore:
             from muse.distributed.parallel_state import get_world_group
 
             get_world_group().broadcast_object(num_blocks, src=0)
-            executor: Executor = MultiprocExecutor(worker, worker_processes)
+            executor: Executor = MultiprocExecutor(worker, worker_processes,
+                                                   args.distributed_timeout_s)
         else:
             executor = UniExecutor(worker)
         self.runner = ModelRunner(self.kv_cache, executor, self.device)
@@ -148,7 +149,8 @@ class EngineCore:
             process.start()
         init_distributed(self.args.parallel_config(), 0, init_method,
                          backend="nccl" if self.device.type == "cuda" else "gloo",
-                         local_rank=self.device.index)
+                         local_rank=self.device.index,
+                         timeout_s=self.args.distributed_timeout_s)
         return processes
 
     def shutdown(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ class UniExecutor(Executor):
         return self.worker.execute(batch, logits_rows, pending, previous_tokens)
 
 
+# Sent instead of a step when the engine has been idle a while (see MultiprocExecutor).
+KEEPALIVE = "keepalive"
+
+
 @dataclass(frozen=True)
 class StepMessage:
     """What every other rank needs to run a step (the driver's pending inputs are not used:
@@ -64,21 +69,48 @@ class StepMessage:
 
 
 class MultiprocExecutor(Executor):
-    """Rank 0 here; `processes` are the other ranks, already running `run_worker`."""
+    """Rank 0 here; `processes` are the other ranks, already running `run_worker`.
 
-    def __init__(self, worker: ModelWorker, processes: list[multiprocessing.Process]) -> None:
+    The workers wait for each step inside a collective, which fails after the world's timeout
+    (`distributed_timeout_s`, how a hung rank is noticed). So that an idle engine does not look
+    hung, a thread sends them a keep-alive a few times per timeout when no step has gone out;
+    a lock keeps it from interleaving with a step's collectives.
+    """
+
+    def __init__(self, worker: ModelWorker, processes: list[multiprocessing.Process],
+                 timeout_s: float) -> None:
         from muse.distributed.parallel_state import get_world_group
 
         self.worker = worker
         self.processes = processes
         self.world = get_world_group()
+        self.keepalive_s = timeout_s / 4
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._keep_workers_waiting, name="muse-keepalive",
+                         daemon=True).start()
+
+    def _keep_workers_waiting(self) -> None:
+        while not self._stopped.wait(self.keepalive_s / 2):
+            with self._lock:
+                if self._stopped.is_set() or \
+                        time.monotonic() - self._last_sent < self.keepalive_s:
+                    continue
+                try:
+                    self.world.broadcast_object(KEEPALIVE, src=0)
+                except RuntimeError:
+                    return  # a rank is gone: the next step (or check_health) says which
+                self._last_sent = time.monotonic()
 
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
                 previous_tokens: torch.Tensor | None) -> torch.Tensor:
         self._check_alive()
         try:
-            self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
-            return self.worker.execute(batch, logits_rows)
+            with self._lock:
+                self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
+                self._last_sent = time.monotonic()
+                return self.worker.execute(batch, logits_rows)
         except RuntimeError:
             # A collective failed: name the rank that left rather than the transport's error.
             deadline = time.monotonic() + DEATH_GRACE_S
@@ -101,11 +133,13 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         from muse.distributed.parallel_state import destroy_distributed
 
-        if all(p.is_alive() for p in self.processes):
-            try:
-                self.world.broadcast_object(None, src=0)
-            except RuntimeError:
-                pass  # a rank already gone: end the others below
+        self._stopped.set()
+        with self._lock:
+            if all(p.is_alive() for p in self.processes):
+                try:
+                    self.world.broadcast_object(None, src=0)
+                except RuntimeError:
+                    pass  # a rank already gone: end the others below
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():

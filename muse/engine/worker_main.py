@@ -18,6 +18,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
     from muse.distributed.parallel_state import (destroy_distributed, get_world_group,
                                                  init_distributed)
     from muse.engine.engine import load_engine_model
+    from muse.engine.executor import KEEPALIVE
     from muse.engine.runner import allocate_kv_caches
     from muse.engine.worker import ModelWorker
 
@@ -25,7 +26,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
     device = args.rank_device(rank)
     init_distributed(args.parallel_config(), rank, init_method,
                      backend="nccl" if device.type == "cuda" else "gloo",
-                     local_rank=device.index)
+                     local_rank=device.index, timeout_s=args.distributed_timeout_s)
     world = get_world_group()
     try:
         _, model, dtype = load_engine_model(args, device)
@@ -33,6 +34,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
         kv_caches = allocate_kv_caches(model, num_blocks, args.block_size, dtype, device)
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
         while (message := world.broadcast_object(None, src=0)) is not None:
-            worker.execute(message.batch, message.logits_rows)
+            if message != KEEPALIVE:
+                worker.execute(message.batch, message.logits_rows)
     finally:
         destroy_distributed()

@@ -1,0 +1,46 @@
+"""Worker ranks of the multiprocess executor: an idle engine keeps them, a hung one is noticed
+within the world's timeout, and either way nothing is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from muse import LLM, SamplingParams
+from muse.engine.executor import WorkerError
+
+TIMEOUT_S = 3.0
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def two_ranks() -> LLM:
+    return LLM("muse-spark-tiny", init_std=0.1, device="cpu", dtype="float32",
+               tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S)
+
+
+def test_an_idle_engine_keeps_its_workers():
+    llm = two_ranks()
+    try:
+        first = llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids
+        time.sleep(2.5 * TIMEOUT_S)  # longer than a collective may wait
+        assert llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids == first
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_worker_fails_the_step_within_the_timeout():
+    llm = two_ranks()
+    worker = llm.engine.runner.executor.processes[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="hung or crashed"):
+            llm.generate([[5, 6, 7]], PARAMS)
+        assert time.monotonic() - start < 4 * TIMEOUT_S
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        llm.shutdown()
+    assert not worker.is_alive()
