@@ -122,6 +122,10 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         return error_response(APIError(500, f"internal error ({type(error).__name__})",
                                        code="internal_error"))
 
+    def require_engine() -> None:
+        if not client.healthy:
+            raise EngineDeadError(client.dead_reason or "not started")
+
     def admit(num_samples: int) -> None:
         """Check the engine is up and reserve room for the samples in the waiting queue."""
         if not client.healthy:
@@ -169,8 +173,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
 
     @app.get("/v1/models")
     async def models():
-        if not client.healthy:
-            raise EngineDeadError(client.dead_reason or "not started")
+        require_engine()
         return {"object": "list", "data": [{
             "id": options.served_model_name, "object": "model", "created": 0,
             "owned_by": "muse", "max_model_len": client.ready.max_model_len}]}
@@ -189,16 +192,14 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        if not client.healthy:
-            raise EngineDeadError(client.dead_reason or "not started")
+        require_engine()
         tokens = await off_loop(tokenize_body, await request.body())
         return {"tokens": tokens, "count": len(tokens), "max_model_len":
                 client.ready.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        if not client.healthy:
-            raise EngineDeadError(client.dead_reason or "not started")
+        require_engine()
         body = await off_loop(parse_body, await request.body(), DetokenizeRequest)
         check_model(body.model, options)
         bad = [t for t in body.tokens if not 0 <= t < client.ready.vocab_size]

@@ -6,6 +6,7 @@ Runs off the event loop (see app.py): parsing a body of several megabytes takes 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -38,21 +39,27 @@ def parse_body(raw: bytes, model: type[Model]) -> Model:
 
 def lone_surrogate_path(data: Any) -> str | None:
     """Path (`messages[0].content`) of the first key or string with a lone surrogate."""
+    for path, text in json_strings(data, keys=True):
+        if not _is_valid_unicode(text):
+            return path or "body"
+    return None
+
+
+def json_strings(data: Any, keys: bool = False) -> Iterator[tuple[str, str]]:
+    """(path, text) of every string in a JSON value (and of every key, with `keys`; a key's
+    path is its object's). Iterative: a body may nest as deep as the JSON parser allowed."""
     stack: list[tuple[str, Any]] = [("", data)]
-    while stack:  # iterative: the body may nest as deep as the JSON parser allowed
+    while stack:
         path, value = stack.pop()
         if isinstance(value, str):
-            if not _is_valid_unicode(value):
-                return path or "body"
+            yield path, value
         elif isinstance(value, dict):
             for key, item in value.items():
-                child = f"{path}.{key}" if path else key
-                if not _is_valid_unicode(key):
-                    return path or "body"
-                stack.append((child, item))
+                if keys:
+                    yield path, key
+                stack.append((f"{path}.{key}" if path else str(key), item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-    return None
 
 
 def _is_valid_unicode(text: str) -> bool:

@@ -18,6 +18,7 @@ from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
 from muse.engine.structured_output import StructuredOutput
 from muse.server.errors import APIError
+from muse.server.json_body import json_strings
 from muse.server.messages import EngineReady
 from muse.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
@@ -188,7 +189,8 @@ def render_chat(messages: list, tools: list[dict] | None, add_generation_prompt:
     for message in dumped:
         if message["role"] == "developer":
             message["role"] = "system"
-    check_text_length(_strings(dumped) + _strings(tools), ready, options, "messages")
+    check_text_length([text for _, text in json_strings([dumped, tools])], ready, options,
+                      "messages")
     try:
         return tokenizer.apply_chat_template(
             dumped, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -207,19 +209,6 @@ def check_text_length(texts: list[str], ready: EngineReady, options: ServerOptio
         raise APIError(400, f"the {param} hold {num_chars} characters: more than the "
                             f"{ready.max_model_len} tokens of this model's context could "
                             "hold", param=param, code="context_length_exceeded")
-
-
-def _strings(value) -> list[str]:
-    found, stack = [], [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            found.append(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return found
 
 
 def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineReady,

@@ -28,6 +28,7 @@ from muse.kernels.moe_triton import (
 )
 from muse.reference.layers import LatentMoE, route
 from tests.conftest import DEVICE
+from tests.kernels.graph_capture import capture
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 HIDDEN = 24
@@ -271,14 +272,7 @@ def test_cuda_graph_replays_with_new_routing() -> None:
                                     experts.norm_weight, experts.eps)
 
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture(step)
         for seed, chosen in ((7, None), (8, [2]), (9, [0, 5])):
             x = make_tokens(moe, 4, chosen=chosen, seed=seed)
             weights, ids = route(moe.gate(x), moe.config)

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from muse.kernels.moe import fused_experts_torch, fused_experts_triton
 from tests.conftest import DEVICE
+from tests.kernels.graph_capture import capture
 from tests.layers.common import randn
 
 # As tests/kernels/test_moe.py: the kernels' float32 dots are IEEE, the order differs.
@@ -129,14 +130,7 @@ def test_cuda_graph_replays_the_hook_with_new_routing() -> None:
     def step() -> torch.Tensor:
         return run(fused_experts_triton, static, reduce_pairs=add_offset)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for seed in (40, 41, 42):
         fresh = make_inputs(4, torch.bfloat16, seed=seed)
         for name in ("x", "weights", "expert_ids"):
