@@ -11,6 +11,7 @@ from muse.distributed.config import ParallelConfig
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 from muse.presets import PRESETS
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,7 +49,8 @@ class EngineArgs:
     prefill_context_parallel_size: int = 1
     enable_expert_parallel: bool = False
     # "uni": one process (world size 1); "mp": a process per rank on this host (the default
-    # when the world is larger).
+    # when the world is larger); "ray": the other ranks as Ray actors, on any node of the
+    # Ray cluster (`pip install muse[ray]`).
     distributed_executor_backend: str | None = None
     # A collective between ranks that takes longer than this fails (a hung rank).
     distributed_timeout_s: float = 600.0
@@ -125,12 +127,18 @@ class EngineArgs:
             raise ValueError(f"{', '.join(f'`{n}`' for n in unbuilt)} must be 1: this engine "
                              "runs tensor, pipeline and expert parallelism so far")
         backend = self.executor_backend
-        if backend not in ("uni", "mp"):
-            raise ValueError("`distributed_executor_backend` must be 'uni' or 'mp', got "
-                             f"{backend!r}")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"`distributed_executor_backend` must be one of "
+                             f"{EXECUTOR_BACKENDS}, got {backend!r}")
         if backend == "uni" and config.world_size > 1:
-            raise ValueError(f"a world of {config.world_size} ranks needs the 'mp' executor, "
-                             "not 'uni'")
+            raise ValueError(f"a world of {config.world_size} ranks needs the 'mp' or 'ray' "
+                             "executor, not 'uni'")
+        if backend == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("the 'ray' executor needs Ray: pip install 'muse[ray]'") \
+                    from None
         device = self.resolve_device()
         if device.type == "cuda" and (device.index or 0) + config.world_size \
                 > torch.cuda.device_count():

@@ -12,12 +12,13 @@ block tables) and the logits rows: no request objects, no sampling state. The dr
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,20 @@ from muse.engine.worker import ModelWorker, PendingInputs
 logger = logging.getLogger("muse.engine")
 # After a failed collective, how long to wait for the process that caused it to be seen dead.
 DEATH_GRACE_S = 2.0
+
+
+class WorkerProcess(Protocol):
+    """What the executor needs of a worker rank's process: `multiprocessing.Process`, or a
+    handle on a Ray actor (`muse.engine.ray_workers`)."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 class WorkerError(RuntimeError):
@@ -69,7 +84,9 @@ class StepMessage:
 
 
 class MultiprocExecutor(Executor):
-    """Rank 0 here; `processes` are the other ranks, already running `run_worker`.
+    """Rank 0 here; `processes` are the other ranks, already running `run_worker` (local
+    processes for the `mp` backend, Ray actors for `ray`); `on_shutdown` releases what started
+    them, after they have ended.
 
     The workers wait for each step inside a collective, which fails after the world's timeout
     (`distributed_timeout_s`, how a hung rank is noticed). So that an idle engine does not look
@@ -77,12 +94,13 @@ class MultiprocExecutor(Executor):
     a lock keeps it from interleaving with a step's collectives.
     """
 
-    def __init__(self, worker: ModelWorker, processes: list[multiprocessing.Process],
-                 timeout_s: float) -> None:
+    def __init__(self, worker: ModelWorker, processes: list[WorkerProcess], timeout_s: float,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
         from muse.distributed.parallel_state import get_world_group
 
         self.worker = worker
         self.processes = processes
+        self.on_shutdown = on_shutdown
         self.world = get_world_group()
         self.keepalive_s = timeout_s / 4
         self._lock = threading.Lock()
@@ -146,10 +164,13 @@ class MultiprocExecutor(Executor):
                 process.kill()
                 process.join()
         destroy_distributed()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
 
 
-def free_init_method() -> str:
-    """A TCP rendezvous address on this host for a new world."""
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A TCP rendezvous address for a new world, on a free port of this host's `host`
+    interface (another machine's workers need an address they can reach)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from muse.engine.args import EngineArgs
 
 logger = logging.getLogger("muse.engine")
 
 
-def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
+def run_worker(rank: int, args: EngineArgs, init_method: str,
+               device: torch.device | None = None) -> None:
+    """Run rank `rank` until the driver says stop. `device` defaults to the rank's own
+    (`EngineArgs.rank_device`); a Ray actor, which sees only its own GPU, passes cuda:0."""
     from muse.distributed.parallel_state import (destroy_distributed, get_world_group,
                                                  init_distributed)
     from muse.engine.engine import load_engine_model
@@ -23,7 +28,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str) -> None:
     from muse.engine.worker import ModelWorker
 
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(name)s: %(message)s")
-    device = args.rank_device(rank)
+    device = device if device is not None else args.rank_device(rank)
     init_distributed(args.parallel_config(), rank, init_method,
                      backend="nccl" if device.type == "cuda" else "gloo",
                      local_rank=device.index, timeout_s=args.distributed_timeout_s)

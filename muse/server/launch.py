@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from muse.engine.args import EngineArgs
+from muse.engine.args import EXECUTOR_BACKENDS, EngineArgs
 
 logger = logging.getLogger("muse.server")
 ENV_PREFIX = "MUSE_"
@@ -112,14 +112,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--pipeline-parallel-size", "-pp", type=int, default=1,
         help="contiguous layer stages, one rank group each (default: %(default)s)")
     add("--data-parallel-size", "-dp", type=int, default=1,
-        help="data-parallel attention ranks (default: %(default)s; only 1 is supported so "
-             "far)")
+        help="data-parallel ranks, each scheduling its own requests; with "
+             "--enable-expert-parallel their MoE layers run together (default: %(default)s)")
     add("--prefill-context-parallel-size", type=int, default=1,
-        help="ranks that split long prompts' prefill (default: %(default)s; only 1 is "
-             "supported so far)")
-    add("--distributed-executor-backend", choices=["uni", "mp"], default=None,
-        help="uni: one process; mp: a process per rank on this host (default: mp when more "
-             "than one rank, else uni)")
+        help="ranks that split each step's tokens, so a long prompt's prefill runs on all of "
+             "them (default: %(default)s)")
+    add("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default=None,
+        help="uni: one process; mp: a process per rank on this host; ray: ranks as Ray actors "
+             "across the nodes of a Ray cluster (muse[ray]) (default: mp when more than one "
+             "rank, else uni)")
     add("--attention-backend", default="auto",
         help="attention kernels by name: torch or triton (default: %(default)s: triton on "
              "CUDA)")
