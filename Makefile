@@ -15,9 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# The test extras on top (pytest, transformers, the openai client, triton, ...).
+# The test extras on top (pytest, transformers, the openai client, triton, ...), and Ray,
+# whose executor backend has its tests too.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PYTHON) -m pip install -q -e '.[test]'
+	$(PYTHON) -m pip install -q -e '.[test,ray]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -11,7 +11,7 @@ from typing import Any, Union
 from muse.chat_format import SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID
 from muse.detokenizer import IncrementalDetokenizer
 from muse.engine.args import EngineArgs
-from muse.engine.engine import EngineCore
+from muse.engine.data_parallel import make_engine
 from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
 from muse.outputs import CompletionOutput, RequestOutput
@@ -42,7 +42,7 @@ class _Group:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`model`: a checkpoint folder or a preset; by default the shipped model."""
-        self.engine = EngineCore(EngineArgs(model=model or default_model(), **engine_args))
+        self.engine = make_engine(EngineArgs(model=model or default_model(), **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

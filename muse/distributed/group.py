@@ -104,6 +104,20 @@ class GroupCoordinator:
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows concatenated in group order, where rank i holds `counts[i]` rows
+        (padded to the largest count for the collective, then cut back)."""
+        if self.world_size == 1:
+            return x
+        if len(counts) != self.world_size or counts[self.rank_in_group] != x.shape[0]:
+            raise ValueError(f"counts must give every rank's rows ({self.world_size} values, "
+                             f"{x.shape[0]} for this rank), got {counts}")
+        rows = max(counts)
+        padded = x.new_zeros((rows, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        gathered = self.all_gather(padded, dim=0)
+        return torch.cat([gathered[i * rows:i * rows + n] for i, n in enumerate(counts)])
+
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """The sum over the group, then this rank's slice of it: the `rank_in_group`-th of
         `world_size` equal parts along `dim`. `x` is left unchanged."""
@@ -176,6 +190,13 @@ class GroupCoordinator:
         dist.recv(out, src=self.ranks[src], group=self.device_group)
         return out
 
+    def isend(self, x: torch.Tensor, dst: int) -> dist.Work:
+        """Start sending `x` to group rank `dst` (which must receive the same shape and dtype)
+        and return at once with the work handle. `wait()` on it before changing `x`: the
+        handle keeps the tensor alive, not unchanged. Sends to one rank arrive in order."""
+        self._check_point_to_point(dst, "dst")
+        return dist.isend(x.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """A picklable object of group rank `src`, on every rank (others may pass None)."""
         self._check_peer(src, "src")
@@ -184,6 +205,14 @@ class GroupCoordinator:
         holder = [obj if self.rank_in_group == src else None]
         dist.broadcast_object_list(holder, src=self.ranks[src], group=self.cpu_group)
         return holder[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in group order."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.cpu_group)
+        return gathered
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -121,11 +121,15 @@ class EngineArgs:
     def _validate_parallel(self) -> None:
         config = self.parallel_config()
         config.validate()
-        unbuilt = [name for name in ("data_parallel_size", "prefill_context_parallel_size")
-                   if getattr(self, name) != 1]
-        if unbuilt:
-            raise ValueError(f"{', '.join(f'`{n}`' for n in unbuilt)} must be 1: this engine "
-                             "runs tensor, pipeline and expert parallelism so far")
+        if config.data_parallel_size > 1 and config.pipeline_parallel_size > 1:
+            raise ValueError("`data_parallel_size` > 1 with `pipeline_parallel_size` > 1 is not "
+                             "supported: use one of them")
+        if config.enable_expert_parallel and config.prefill_context_parallel_size > 1:
+            raise ValueError("`enable_expert_parallel` with `prefill_context_parallel_size` > 1 "
+                             "is not supported: use one of them")
+        if config.prefill_context_parallel_size > 1 and config.pipeline_parallel_size > 1:
+            raise ValueError("`prefill_context_parallel_size` > 1 with "
+                             "`pipeline_parallel_size` > 1 is not supported: use one of them")
         backend = self.executor_backend
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"`distributed_executor_backend` must be one of "

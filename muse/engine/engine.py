@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,14 +14,16 @@ from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.engine.args import EngineArgs
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
-from muse.engine.kv_budget import block_bytes, kv_budget_bytes, split_blocks
+from muse.engine.kv_budget import block_bytes, split_blocks
+from muse.engine.rank_memory import shared_kv_budget
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
-from muse.engine.executor import Executor, MultiprocExecutor, UniExecutor, free_init_method
-from muse.engine.runner import LaunchedStep, ModelRunner, allocate_kv_caches
+from muse.engine.executor import (Executor, MultiprocExecutor, UniExecutor, WorkerProcess,
+                                  free_init_method)
+from muse.engine.runner import LaunchedStep, ModelRunner, PreparedStep, allocate_kv_caches
 from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
-from muse.engine.scheduler import ScheduledRequest, Scheduler
+from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.checkpoint.configs import load_config
 from muse.kernels.backends import select_backends
@@ -85,7 +89,8 @@ class EngineCore:
         # With several ranks each step is read back before the next is built (the other
         # ranks get the step's token ids from the host), and runs eagerly.
         self.overlap_schedule = args.overlap_schedule and self.world_size == 1
-        worker_processes = self._start_world() if self.world_size > 1 else []
+        worker_processes, on_shutdown = self._start_world() if self.world_size > 1 \
+            else ([], None)
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
         self.config = self.model_config.text_config
         self.model = model.eval()
@@ -93,10 +98,10 @@ class EngineCore:
         self.eos_token_ids = tuple(self.config.eos_token_ids)
 
         # Per rank: each holds its share of the K/V heads and of the layers (a pipeline
-        # stage's); the block counts are rank 0's for all, sized as if this rank's budget
-        # covered its 1/pp of the layers (stages with more global layers use a bit more).
-        budget = kv_budget_bytes(args.kv_cache_memory_bytes, self.device,
-                                 args.gpu_memory_utilization) \
+        # stage's); every rank gets the block counts of the smallest rank budget, sized as if
+        # that budget covered 1/pp of the layers (stages with more global layers use a bit
+        # more).
+        budget = shared_kv_budget(self.model, args, self.device, self.dtype) \
             * args.parallel_config().pipeline_parallel_size
         num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
                                   args.max_num_seqs, args.max_num_batched_tokens,
@@ -106,8 +111,7 @@ class EngineCore:
             raise ValueError(f"a KV cache budget of {budget / 2**20:.1f} MiB is too small for "
                              "this model; raise `kv_cache_memory_bytes` or "
                              "`gpu_memory_utilization`, or free GPU memory")
-        self.kv_cache = KVCacheManager(args.block_size, num_blocks, self.config.sliding_window,
-                                       args.enable_prefix_caching)
+        self.num_blocks = num_blocks
         self.max_model_len = self._check_capacity(num_blocks)
         kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size, self.dtype,
                                        self.device)
@@ -117,11 +121,24 @@ class EngineCore:
             from muse.distributed.parallel_state import get_world_group
 
             get_world_group().broadcast_object(num_blocks, src=0)
-            executor: Executor = MultiprocExecutor(worker, worker_processes,
-                                                   args.distributed_timeout_s)
+            self.executor: Executor = MultiprocExecutor(worker, worker_processes,
+                                                        args.distributed_timeout_s, on_shutdown)
         else:
-            executor = UniExecutor(worker)
-        self.runner = ModelRunner(self.kv_cache, executor, self.device)
+            self.executor = UniExecutor(worker)
+        self._init_scheduling()
+        sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
+        logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
+                    ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
+                              for kind, n in num_blocks.items()),
+                    sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20, self.max_model_len)
+
+    def _init_scheduling(self) -> None:
+        """What one data-parallel rank schedules with: its queue, the block manager of its KV
+        cache, its requests."""
+        args = self.args
+        self.kv_cache = KVCacheManager(args.block_size, self.num_blocks,
+                                       self.config.sliding_window, args.enable_prefix_caching)
+        self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
@@ -129,37 +146,55 @@ class EngineCore:
         # Requests whose grammar is compiling: not scheduled, no KV blocks (group id -> job).
         self.grammar_waiting: dict[str, CompileJob] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
-        sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
-        logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
-                    ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
-                              for kind, n in num_blocks.items()),
-                    sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20, self.max_model_len)
 
-    def _start_world(self) -> list[multiprocessing.Process]:
-        """Start a worker process per rank but this one, then join the world as rank 0."""
+    def data_parallel_replica(self) -> EngineCore:
+        """The scheduling side of another data-parallel rank: its own queue, KV block manager
+        and requests over the same world, model config, tokenizer and executor (whose other
+        ranks hold that rank's model replica and KV tensors)."""
+        replica = copy.copy(self)
+        replica._init_scheduling()
+        return replica
+
+    @property
+    def replicas(self) -> list[EngineCore]:
+        """The data-parallel ranks' schedulers: this one alone."""
+        return [self]
+
+    def _start_world(self) -> tuple[list[WorkerProcess], Callable[[], None] | None]:
+        """Start a worker per rank but this one (a local process, or a Ray actor), then join
+        the world as rank 0. Returns the workers and what releases their resources."""
         from muse.distributed.parallel_state import init_distributed
-        from muse.engine.worker_main import run_worker
 
-        init_method = free_init_method()
-        spawn = multiprocessing.get_context("spawn")
-        processes = [spawn.Process(target=run_worker, args=(rank, self.args, init_method),
-                                   name=f"muse-worker-{rank}", daemon=True)
-                     for rank in range(1, self.world_size)]
-        for process in processes:
-            process.start()
+        on_shutdown = None
+        if self.args.executor_backend == "ray":
+            from muse.engine.ray_workers import start_ray_workers
+
+            workers = start_ray_workers(self.args, self.world_size)
+            init_method, processes, on_shutdown = (workers.init_method, workers.handles,
+                                                   workers.shutdown)
+        else:
+            from muse.engine.worker_main import run_worker
+
+            init_method = free_init_method()
+            spawn = multiprocessing.get_context("spawn")
+            processes = [spawn.Process(target=run_worker, args=(rank, self.args, init_method),
+                                       name=f"muse-worker-{rank}", daemon=True)
+                         for rank in range(1, self.world_size)]
+            for process in processes:
+                process.start()
         init_distributed(self.args.parallel_config(), 0, init_method,
                          backend="nccl" if self.device.type == "cuda" else "gloo",
                          local_rank=self.device.index,
                          timeout_s=self.args.distributed_timeout_s)
-        return processes
+        return processes, on_shutdown
 
     def shutdown(self) -> None:
         """Stop the worker processes (if any) and leave the world."""
-        self.runner.executor.shutdown()
+        self.executor.shutdown()
 
     def check_health(self) -> None:
         """Raise if a worker rank is gone, even while no step runs."""
-        self.runner.executor.check_health()
+        self.executor.check_health()
 
     def _check_capacity(self, num_blocks: dict[str, int]) -> int:
         """`max_model_len`, checked against the model and against what the cache can hold."""
@@ -190,7 +225,7 @@ class EngineCore:
         if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
             return None
         block_size = self.args.block_size
-        widths = {kind: -(-self.max_model_len // block_size) for kind in self.kv_cache.pools}
+        widths = {kind: -(-self.max_model_len // block_size) for kind in self.num_blocks}
         if SLIDING in widths:
             # A decode query needs the blocks of its window, which straddles at most two more.
             widths[SLIDING] = min(widths[SLIDING],
@@ -315,16 +350,14 @@ class EngineCore:
         back, so the host's bookkeeping runs while the device computes, and the requests
         returned are those of the previous step. Requests whose grammar failed to compile
         are returned finished, with `error` set."""
-        # Collected even when nobody waits: a compile whose requests were aborted still
-        # ends up in the bounded cache, not held outside it.
-        failed = self._take_compiled_grammars() \
-            if self.grammar_jobs is not None and self.grammar_jobs.has_pending else []
+        failed = self._collect_grammars()
         previous, self.in_flight = self.in_flight, None
-        output = self.scheduler.schedule()
-        if not output.scheduled and previous is None and self.grammar_waiting and not failed:
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled and previous is None and self.grammar_waiting and not failed:
             self.grammar_jobs.wait(GRAMMAR_WAIT_S)
             return []
-        launched = self._launch(output.scheduled, previous) if output.scheduled else None
+        launched = self._launched(self.runner.launch(scheduled, previous)) \
+            if scheduled else None
         changed = self._resolve(previous) if previous is not None else []
         if launched is not None:
             if self.overlap_schedule and not any(
@@ -335,10 +368,28 @@ class EngineCore:
         # A request in both steps is reported once.
         return failed + list(dict.fromkeys(changed))
 
-    def _launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None
-                ) -> LaunchedStep:
-        step = self.runner.launch(scheduled, previous)
-        for item in scheduled:
+    def plan_step(self) -> tuple[list[Request], PreparedStep | None]:
+        """The first half of a step run together with other data-parallel ranks: this rank's
+        requests whose grammar failed, and its scheduled batch (None when it has nothing to
+        run). `finish_step` takes the logits."""
+        failed = self._collect_grammars()
+        scheduled = self.scheduler.schedule().scheduled
+        return failed, self.runner.prepare(scheduled) if scheduled else None
+
+    def finish_step(self, prepared: PreparedStep, logits: torch.Tensor) -> list[Request]:
+        """Sample from a planned step's logits and apply the tokens to its requests."""
+        return self._resolve(self._launched(self.runner.sample(prepared, logits)))
+
+    def _collect_grammars(self) -> list[Request]:
+        # Collected even when nobody waits: a compile whose requests were aborted still
+        # ends up in the bounded cache, not held outside it.
+        if self.grammar_jobs is not None and self.grammar_jobs.has_pending:
+            return self._take_compiled_grammars()
+        return []
+
+    def _launched(self, step: LaunchedStep) -> LaunchedStep:
+        """Advance the requests of a step whose kernels are queued."""
+        for item in step.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         for request in step.sampled:
             request.add_pending_token(self.max_model_len)

@@ -5,8 +5,10 @@
   the same host; each step's batch is broadcast to them (over the world's CPU group) before
   rank 0 runs its own share, so every rank makes the same collective calls in the same order.
 
-What crosses the process boundary per step is the `HostBatch` (token ids, positions, slots,
-block tables) and the logits rows: no request objects, no sampling state. The driver samples.
+What crosses the process boundary per step is a `StepMessage`: per data-parallel rank the
+step's delta (new requests once, then ids, new tokens and block-table growth;
+`muse.engine.step_message`), its token count and the logits rows wanted; no sampling state.
+Each rank rebuilds its batch from its mirror of the requests. The driver samples.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ class WorkerError(RuntimeError):
 
 
 class Executor(ABC):
+    # Whether other ranks run the steps too (they then get each step as an encoded delta).
+    has_other_ranks = False
+
     @abstractmethod
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Logits of `logits_rows`, on the driver's device."""
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None
+                ) -> torch.Tensor:
+        """Logits of `logits_rows`, on the driver's device. `delta`: the step for the other
+        ranks (`muse.engine.step_message`), when there are any."""
 
     def shutdown(self) -> None:
         """Stop the workers this executor started (none for in-process execution)."""
@@ -66,7 +73,8 @@ class UniExecutor(Executor):
         self.worker = worker
 
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None) -> torch.Tensor:
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None
+                ) -> torch.Tensor:
         return self.worker.execute(batch, logits_rows, pending, previous_tokens)
 
 
@@ -76,11 +84,14 @@ KEEPALIVE = "keepalive"
 
 @dataclass(frozen=True)
 class StepMessage:
-    """What every other rank needs to run a step (the driver's pending inputs are not used:
-    with several ranks the driver reads each step back before building the next)."""
+    """What every other rank needs to run a step, per data-parallel rank: its step as an
+    encoded `StepDelta` (None when it has nothing to run; a rank rebuilds its batch from its
+    own), its token count and its logits rows. The driver's pending inputs are not used: with
+    several ranks the driver reads each step back before building the next."""
 
-    batch: HostBatch
-    logits_rows: list[int]
+    deltas: list[bytes | None]
+    num_tokens: list[int]
+    logits_rows: list[list[int]]
 
 
 class MultiprocExecutor(Executor):
@@ -121,14 +132,25 @@ class MultiprocExecutor(Executor):
                     return  # a rank is gone: the next step (or check_health) says which
                 self._last_sent = time.monotonic()
 
+    has_other_ranks = True
+
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None) -> torch.Tensor:
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None
+                ) -> torch.Tensor:
+        return self.execute_data_parallel([batch], [delta], [logits_rows])[0]
+
+    def execute_data_parallel(self, batches: list[HostBatch | None],
+                              deltas: list[bytes | None], logits_rows: list[list[int]]
+                              ) -> list[torch.Tensor | None]:
+        """One step of every data-parallel rank (`batches[d]` and its encoded `deltas[d]`,
+        None where rank d is idle): each rank's logits (None where idle)."""
         self._check_alive()
+        num_tokens = [b.num_tokens if b is not None else 0 for b in batches]
         try:
             with self._lock:
-                self.world.broadcast_object(StepMessage(batch, logits_rows), src=0)
+                self.world.broadcast_object(StepMessage(deltas, num_tokens, logits_rows), src=0)
                 self._last_sent = time.monotonic()
-                return self.worker.execute(batch, logits_rows)
+                return self.worker.execute_data_parallel(batches[0], num_tokens, logits_rows)
         except RuntimeError:
             # A collective failed: name the rank that left rather than the transport's error.
             deadline = time.monotonic() + DEATH_GRACE_S

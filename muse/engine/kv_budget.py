@@ -9,16 +9,6 @@ from muse.config import SLIDING, TextConfig
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
-def kv_budget_bytes(explicit: int | None, device: torch.device, utilization: float) -> int:
-    """An explicit budget, else (on GPU) what is left under `utilization` of the card."""
-    if explicit is not None:
-        return explicit
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, int(total * utilization) - (total - free))
-
-
 def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype,
                 num_kv_heads: int | None = None) -> dict[str, int]:
     """Bytes one block of each kind takes over all layers of that kind (K and V), with

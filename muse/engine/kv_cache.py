@@ -40,6 +40,14 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def window_start_block(kind: str, position: int, sliding_window: int | None,
+                       block_size: int) -> int:
+    """First block a query at `position` (or later) can still need in layers of `kind`."""
+    if kind != SLIDING or sliding_window is None:
+        return 0
+    return max(0, position - sliding_window + 1) // block_size
+
+
 class BlockPool:
     """The blocks of one attention kind, with reference counts and cached keys."""
 
@@ -112,10 +120,7 @@ class KVCacheManager:
 
     # ---- helpers -------------------------------------------------------------------------
     def window_start_block(self, kind: str, position: int) -> int:
-        """First block a query at `position` (or later) can still need in layers of `kind`."""
-        if kind != SLIDING or self.sliding_window is None:
-            return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
+        return window_start_block(kind, position, self.sliding_window, self.block_size)
 
     def _block_keys(self, request: Request, blocks: RequestBlocks, num_tokens: int) -> int:
         """Extend `blocks.keys` over the request's full blocks within its first `num_tokens`

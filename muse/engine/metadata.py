@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,24 @@ class HostBatch:
     slots: dict[str, list[int]] = field(default_factory=dict)
     tables: dict[str, list[list[int]]] = field(default_factory=dict)
     first_blocks: dict[str, list[int]] = field(default_factory=dict)
+    dp_num_tokens: list[int] | None = None  # see BatchMetadata
+
+    @classmethod
+    def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1) -> HostBatch:
+        """A request of `num_tokens` tokens whose K/V goes to the null block and which reads
+        only that block: what an idle data-parallel rank runs so that the MoE collectives of
+        the busy ones meet, and the memory profile's largest step."""
+        width = -(-num_tokens // block_size)
+        return cls(kinds=kinds, max_query_len=num_tokens, input_ids=[0] * num_tokens,
+                   positions=list(range(num_tokens)), token_request=[0] * num_tokens,
+                   query_start=[0, num_tokens], seq_lens=[num_tokens],
+                   slots={kind: [0] * num_tokens for kind in kinds},
+                   tables={kind: [[0] * width] for kind in kinds},
+                   first_blocks={kind: [0] for kind in kinds})
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
 
     def __post_init__(self) -> None:
         for kind in self.kinds:
@@ -39,6 +58,57 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def split(self, num_parts: int) -> list[tuple[HostBatch, range]]:
+        """Up to `num_parts` sub-batches of contiguous requests (pipeline micro-batches), each
+        with its tokens' range in this batch, in order.
+
+        Requests are never split, so there are at most `num_requests` parts. Each cut is the
+        request boundary nearest an equal share of the tokens, which keeps every part within
+        one request of `num_tokens / parts`. The parts depend on the requests' token counts
+        alone (`query_start`), which every rank of a step agrees on, so all pipeline stages cut
+        the step the same way.
+        """
+        parts = max(1, min(num_parts, self.num_requests))
+        if parts == 1:
+            return [(self, range(self.query_start[-1]))]
+        starts, cuts = self.query_start, [0]
+        for k in range(1, parts):
+            target = starts[-1] * k / parts
+            cut = bisect_left(starts, target)
+            if target - starts[cut - 1] <= starts[cut] - target:
+                cut -= 1
+            # Leave at least one request for this part and for each after it.
+            cuts.append(min(max(cut, cuts[-1] + 1), self.num_requests - (parts - k)))
+        cuts.append(self.num_requests)
+        return [self._requests(first, end) for first, end in zip(cuts, cuts[1:])]
+
+    def _requests(self, first: int, end: int) -> tuple[HostBatch, range]:
+        """Requests first..end-1 as a batch of their own, and their tokens' range here."""
+        tokens = range(self.query_start[first], self.query_start[end])
+        return self.token_slice(tokens.start, tokens.stop), tokens
+
+    def token_slice(self, start: int, end: int) -> HostBatch:
+        """Tokens start..end-1 as a batch of their own: the requests they belong to, each
+        with the queries of its own in the range (a request cut at `end` attends as if its
+        context ended there, which causality makes exact)."""
+        first, last = self.token_request[start], self.token_request[end - 1]
+        lengths = [min(self.query_start[r + 1], end) - max(self.query_start[r], start)
+                   for r in range(first, last + 1)]
+        query_start = [0]
+        for length in lengths:
+            query_start.append(query_start[-1] + length)
+        return HostBatch(
+            kinds=list(self.kinds), max_query_len=max(lengths),
+            input_ids=self.input_ids[start:end], positions=self.positions[start:end],
+            token_request=[r - first for r in self.token_request[start:end]],
+            query_start=query_start,
+            seq_lens=[self.positions[start + q_end - 1] + 1 for q_end in query_start[1:]],
+            slots={kind: slots[start:end] for kind, slots in self.slots.items()},
+            tables={kind: tables[first:last + 1] for kind, tables in self.tables.items()},
+            first_blocks={kind: blocks[first:last + 1]
+                          for kind, blocks in self.first_blocks.items()},
+            dp_num_tokens=self.dp_num_tokens)
 
     def table_width(self, kind: str) -> int:
         return max(len(table) for table in self.tables[kind])
@@ -63,5 +133,5 @@ class HostBatch:
         meta = BatchMetadata(
             positions=positions, token_request=token_request, query_start=query_start,
             seq_lens=seq_lens, max_query_len=self.max_query_len, kinds=kinds,
-            block_size=block_size)
+            block_size=block_size, dp_num_tokens=self.dp_num_tokens)
         return input_ids, meta

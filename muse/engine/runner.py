@@ -12,6 +12,8 @@ from muse.engine.metadata import HostBatch
 from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
+from muse.engine.step_message import (StepEncoder, build_host_batch, encode_delta,
+                                      scheduled_entries)
 from muse.engine.transfer import HostCopy, to_device
 from muse.model.decoder import EngineModel
 
@@ -33,6 +35,22 @@ class LaunchedStep:
 
     def token_values(self) -> list[int]:
         return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
+
+
+@dataclass
+class PreparedStep:
+    """A step built on the host, not run yet: the batch, the rows whose logits it needs, and
+    how to turn those logits into prompt logprobs and sampled tokens."""
+
+    step: LaunchedStep
+    batch: HostBatch | None = None
+    logits_rows: list[int] = field(default_factory=list)
+    pending: tuple[list[int], list[int]] = ([], [])
+    delta: bytes | None = None  # the step as the other ranks get it (several ranks only)
+    # (request id, prompt tokens predicted, first logits row, top logprobs wanted)
+    prompt_spans: list[tuple[str, list[int], int, int]] = field(default_factory=list)
+    sample_rows: list[SamplingRow] = field(default_factory=list)
+    first_sample: int = 0  # logits rows from here on are the sampling requests', in order
 
 
 def allocate_kv_caches(model: EngineModel, num_blocks: dict[str, int], block_size: int,
@@ -61,27 +79,14 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.grammar_compiler = None  # set by the engine once a request is constrained
+        # With several ranks, what each step sends them (they mirror the requests).
+        self.step_encoder = StepEncoder(list(kv_cache.pools)) if executor.has_other_ranks \
+            else None
 
     def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
-        block_size = self.block_size
-        batch = HostBatch(kinds=list(self.kv_cache.pools),
-                          max_query_len=max(s.num_new_tokens for s in scheduled))
-        for index, item in enumerate(scheduled):
-            request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            batch.input_ids.extend(request.token_ids(start, end))
-            new_positions = range(start, end)
-            batch.positions.extend(new_positions)
-            batch.token_request.extend([index] * item.num_new_tokens)
-            batch.query_start.append(batch.query_start[-1] + item.num_new_tokens)
-            batch.seq_lens.append(end)
-            for kind, table in self.kv_cache.block_tables(request).items():
-                batch.slots[kind].extend(table[p // block_size] * block_size + p % block_size
-                                         for p in new_positions)
-                first = self.kv_cache.window_start_block(kind, start)
-                batch.first_blocks[kind].append(first)
-                batch.tables[kind].append(table[first:-(-end // block_size)])
-        return batch
+        kv_cache = self.kv_cache
+        return build_host_batch(list(kv_cache.pools), self.block_size, kv_cache.sliding_window,
+                                scheduled_entries(scheduled, kv_cache.block_tables))
 
     @staticmethod
     def _pending_inputs(scheduled: list[ScheduledRequest], previous: LaunchedStep | None
@@ -101,18 +106,12 @@ class ModelRunner:
                 sources.append(rows[item.request])
         return targets, sources
 
-    @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None
-               ) -> LaunchedStep:
-        """Queue the step's forward pass and sampling on the device.
-
-        Input tokens of `previous` not read back yet are taken from its device tensor."""
-        step = LaunchedStep(scheduled, [s.request.num_computed_tokens for s in scheduled], [])
-        # The rows whose logits the step needs: prompt positions that predict a prompt token
-        # (prompt logprobs), then each sampling request's last position. One LM-head call.
-        logits_rows: list[int] = []
-        prompt_spans: list[tuple[str, list[int], int, int]] = []
-        sample_rows: list[SamplingRow] = []
+    def prepare(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None
+                ) -> PreparedStep:
+        """The step's batch and the rows whose logits it needs: prompt positions that predict
+        a prompt token (prompt logprobs), then each sampling request's last position."""
+        prepared = PreparedStep(LaunchedStep(
+            scheduled, [s.request.num_computed_tokens for s in scheduled], []))
         sample_index: list[int] = []
         offset = 0
         for item in scheduled:
@@ -121,28 +120,49 @@ class ModelRunner:
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 # Positions start..end-1 predict the prompt tokens start+1..end.
                 stop = min(end, request.num_prompt_tokens - 1)
-                prompt_spans.append((request.request_id,
-                                     request.prompt_token_ids[start + 1:stop + 1],
-                                     len(logits_rows), request.params.prompt_logprobs))
-                logits_rows.extend(range(offset, offset + stop - start))
+                prepared.prompt_spans.append((request.request_id,
+                                              request.prompt_token_ids[start + 1:stop + 1],
+                                              len(prepared.logits_rows),
+                                              request.params.prompt_logprobs))
+                prepared.logits_rows.extend(range(offset, offset + stop - start))
             if end == request.num_tokens:
                 sample_index.append(offset + item.num_new_tokens - 1)
-                step.sampled.append(request)
-                sample_rows.append(SamplingRow(request.params, request.prompt_token_ids,
-                                               request.output_token_ids, request.eos_token_ids,
-                                               request.generator, request.grammar,
-                                               request.num_pending_tokens))
+                prepared.step.sampled.append(request)
+                prepared.sample_rows.append(SamplingRow(
+                    request.params, request.prompt_token_ids, request.output_token_ids,
+                    request.eos_token_ids, request.generator, request.grammar,
+                    request.num_pending_tokens))
             offset += item.num_new_tokens
-        first_sample = len(logits_rows)
-        logits = self.executor.execute(
-            self._host_batch(scheduled), logits_rows + sample_index,
-            self._pending_inputs(scheduled, previous),
-            previous.tokens if previous is not None else None)
-        for request_id, targets, row, num_top in prompt_spans:
+        prepared.first_sample = len(prepared.logits_rows)
+        prepared.logits_rows.extend(sample_index)
+        prepared.batch = self._host_batch(scheduled)
+        if self.step_encoder is not None:
+            prepared.delta = encode_delta(self.step_encoder.encode(scheduled,
+                                                                   self.kv_cache.block_tables))
+        prepared.pending = self._pending_inputs(scheduled, previous)
+        return prepared
+
+    @torch.inference_mode()
+    def sample(self, prepared: PreparedStep, logits: torch.Tensor) -> LaunchedStep:
+        """Prompt logprobs and the sampled tokens of a step, from its logits rows."""
+        step = prepared.step
+        for request_id, targets, row, num_top in prepared.prompt_spans:
             step.prompt_logprobs[request_id] = prompt_logprobs(
                 logits[row:row + len(targets)], to_device(targets, self.device), num_top)
-        if sample_rows:
-            step.tokens, step.logprobs = sample_on_device(logits[first_sample:], sample_rows,
-                                                          self.grammar_compiler)
+        if prepared.sample_rows:
+            step.tokens, step.logprobs = sample_on_device(
+                logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
             step.tokens_on_host = HostCopy(step.tokens)
         return step
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None
+               ) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device.
+
+        Input tokens of `previous` not read back yet are taken from its device tensor."""
+        prepared = self.prepare(scheduled, previous)
+        logits = self.executor.execute(prepared.batch, prepared.logits_rows, prepared.pending,
+                                       previous.tokens if previous is not None else None,
+                                       prepared.delta)
+        return self.sample(prepared, logits)

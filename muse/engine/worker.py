@@ -8,12 +8,19 @@ collectives meet; the driver (rank 0) also samples.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import Counter
+from itertools import accumulate
+
 import torch
 
-from muse.distributed.parallel_state import get_pp_group
+from muse.distributed.config import RankCoordinates
+from muse.distributed.parallel_state import (get_dp_group, get_parallel_config, get_pcp_group,
+                                             get_pp_group, get_world_group)
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.metadata import HostBatch
 from muse.engine.transfer import to_device
+from muse.kernels.attention_metadata import ContextParallelMetadata
 from muse.model.decoder import EngineModel
 
 # Input positions still on the device (sampled by the step before, not read back), and the
@@ -30,6 +37,48 @@ class ModelWorker:
         self.device = device
         self.block_size = block_size
         self.decode_graphs = decode_graphs
+        # Pipeline steps run, by their number of micro-batches.
+        self.micro_batch_steps: Counter[int] = Counter()
+        self.context_parallel_steps = 0  # steps whose tokens were split over the PCP ranks
+
+    @torch.inference_mode()
+    def execute_data_parallel(self, batch: HostBatch | None, num_tokens: list[int],
+                              logits_rows: list[list[int]]) -> list[torch.Tensor | None]:
+        """Every rank's call for one step of all data-parallel ranks: `batch` is this rank's
+        DP rank's batch (None: it has nothing to run), `num_tokens[d]` and `logits_rows[d]`
+        DP rank d's token count (0 when idle) and logits rows. Returns every DP rank's
+        logits on the driver (world rank 0), which receives them from each DP rank's first
+        rank; elsewhere a list of None.
+
+        With experts spread over DP ranks an idle rank runs a one-token dummy batch, so the
+        MoE collectives of the busy ones meet."""
+        dp = get_dp_group()
+        rows = logits_rows[dp.rank_in_group]
+        if dp.world_size > 1 and get_parallel_config().enable_expert_parallel:
+            if batch is None:
+                batch, rows = HostBatch.dummy(list(dict.fromkeys(self.model.config.layer_types))), []
+            batch.dp_num_tokens = [count or 1 for count in num_tokens]
+        logits = self.execute(batch, rows) if batch is not None else None
+        if dp.world_size == 1:
+            return [logits]
+        return self._gather_logits(logits, logits_rows)
+
+    def _gather_logits(self, logits: torch.Tensor | None, logits_rows: list[list[int]]
+                       ) -> list[torch.Tensor | None]:
+        """Each DP rank's logits, sent by its first rank to the driver."""
+        world, config = get_world_group(), get_parallel_config()
+        me = config.coordinates(world.rank_in_group)
+        vocab = self.model.config.vocab_size
+        if world.rank_in_group != 0:
+            if me.pp == me.pcp == me.tp == 0 and logits_rows[me.dp]:
+                world.send(logits, 0)
+            return [None] * len(logits_rows)
+        gathered: list[torch.Tensor | None] = [logits]
+        for dp_rank, rows in enumerate(logits_rows[1:], start=1):
+            source = config.rank_of(RankCoordinates(dp=dp_rank, pp=0, pcp=0, tp=0))
+            gathered.append(world.recv((len(rows), vocab), torch.float32, source, self.device)
+                            if rows else None)
+        return gathered
 
     @torch.inference_mode()
     def execute(self, batch: HostBatch, logits_rows: list[int],
@@ -49,30 +98,65 @@ class ModelWorker:
         return self.model.compute_logits(hidden)
 
     def _execute_stage(self, batch: HostBatch, logits_rows: list[int]) -> torch.Tensor | None:
-        """One pipeline stage: the previous stage's (hidden, residual) in, ours out to the
-        next; the last stage's logits go back to the first, which samples."""
+        """One pipeline stage over up to `pp` micro-batches (forward-only GPipe): for each in
+        turn, the previous stage's (hidden, residual) in, this stage's layers, the result out
+        to the next stage without waiting for it to be received, so stage k runs micro-batch
+        i + 1 while stage k + 1 runs i. The last stage's logits go back to the first, which
+        samples; both return them in `logits_rows` order."""
         stages, model = get_pp_group(), self.model
-        input_ids, meta = batch.to_device(self.device, self.block_size)
-        intermediate = None
-        if not model.is_first_stage:
-            shape = (input_ids.shape[0], model.config.hidden_size)
-            dtype = next(model.parameters()).dtype
-            intermediate = (stages.recv(shape, dtype, stages.prev_rank, self.device),
-                            stages.recv(shape, dtype, stages.prev_rank, self.device))
-        out = model(input_ids, meta, self.kv_caches, intermediate=intermediate)
-        last = stages.world_size - 1
-        logits_shape = (len(logits_rows), model.config.vocab_size)
-        if not model.is_last_stage:
-            hidden, residual = out
-            stages.send(hidden, stages.next_rank)
-            stages.send(residual, stages.next_rank)
-            if model.is_first_stage and logits_rows:
-                return stages.recv(logits_shape, torch.float32, last, self.device)
+        parts = batch.split(stages.world_size)
+        self.micro_batch_steps[len(parts)] += 1
+        part_rows, order = self._micro_batch_rows([tokens for _, tokens in parts], logits_rows)
+        dtype = next(model.parameters()).dtype
+        # Sent tensors stay referenced by their handles until the waits below; every send is
+        # non-blocking so no stage waits for a slower peer to post the matching receive (gloo
+        # send blocks until matched), and each stage issues its ops in micro-batch order.
+        sends: list[torch.distributed.Work] = []
+        logits: list[torch.Tensor] = []
+        for (part, tokens), rows in zip(parts, part_rows):
+            input_ids, meta = part.to_device(self.device, self.block_size)
+            intermediate = None
+            if not model.is_first_stage:
+                shape = (len(tokens), model.config.hidden_size)
+                intermediate = (stages.recv(shape, dtype, stages.prev_rank, self.device),
+                                stages.recv(shape, dtype, stages.prev_rank, self.device))
+            out = model(input_ids, meta, self.kv_caches, intermediate=intermediate)
+            if not model.is_last_stage:
+                sends += [stages.isend(x, stages.next_rank) for x in out]
+            elif rows:
+                logits.append(self._logits(out, rows))
+                sends.append(stages.isend(logits[-1], 0))
+        if model.is_first_stage:
+            # Posted only after every micro-batch went out: the last stage sends these logits
+            # after receiving those micro-batches.
+            last, vocab = stages.world_size - 1, model.config.vocab_size
+            logits = [stages.recv((len(rows), vocab), torch.float32, last, self.device)
+                      for rows in part_rows if rows]
+        for work in sends:
+            work.wait()
+        if not (model.is_first_stage or model.is_last_stage):
             return None
-        logits = self._logits(out, logits_rows)
-        if logits_rows:
-            stages.send(logits, 0)
-        return logits
+        if not logits:
+            return torch.empty(0, model.config.vocab_size, device=self.device)
+        logits_out = torch.cat(logits) if len(logits) > 1 else logits[0]
+        return logits_out if order is None else logits_out[to_device(order, self.device)]
+
+    @staticmethod
+    def _micro_batch_rows(token_ranges: list[range], logits_rows: list[int]
+                          ) -> tuple[list[list[int]], list[int] | None]:
+        """Each micro-batch's logits rows (indices into its own tokens, in `logits_rows`
+        order), and for each row of `logits_rows` its place in their concatenation; None when
+        that is already `logits_rows` order (rows ascending, as for sampling alone)."""
+        starts = [tokens.start for tokens in token_ranges]
+        part_rows: list[list[int]] = [[] for _ in token_ranges]
+        places = []
+        for row in logits_rows:
+            part = bisect_right(starts, row) - 1
+            places.append((part, len(part_rows[part])))
+            part_rows[part].append(row - starts[part])
+        offsets = list(accumulate((len(rows) for rows in part_rows), initial=0))
+        order = [offsets[part] + index for part, index in places]
+        return part_rows, None if order == list(range(len(order))) else order
 
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -82,8 +166,26 @@ class ModelWorker:
             if size is not None:
                 self._fill_pending(self.decode_graphs.input_ids, pending, previous_tokens)
                 return self.decode_graphs.replay(size, batch.num_requests)
+        context = get_pcp_group()
+        if context.world_size > 1 and batch.num_tokens >= context.world_size:
+            return self._forward_context_parallel(batch)
         input_ids, meta = batch.to_device(self.device, self.block_size)
         self._fill_pending(input_ids, pending, previous_tokens)
+        return self.model(input_ids, meta, self.kv_caches)
+
+    def _forward_context_parallel(self, batch: HostBatch) -> torch.Tensor:
+        """Prefill context parallelism: this rank runs a contiguous slice of the step's tokens
+        (equal shares, the first ranks one more), writes every token's K/V, and returns the
+        whole step's hidden states. A step of fewer tokens than ranks runs whole on each."""
+        context = get_pcp_group()
+        self.context_parallel_steps += 1
+        share, extra = divmod(batch.num_tokens, context.world_size)
+        counts = [share + (rank < extra) for rank in range(context.world_size)]
+        start = sum(counts[:context.rank_in_group])
+        mine = batch.token_slice(start, start + counts[context.rank_in_group])
+        input_ids, meta = mine.to_device(self.device, self.block_size)
+        meta.context_parallel = ContextParallelMetadata(counts, {
+            kind: to_device(slots, self.device) for kind, slots in batch.slots.items()})
         return self.model(input_ids, meta, self.kv_caches)
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: PendingInputs,

@@ -20,11 +20,13 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
                device: torch.device | None = None) -> None:
     """Run rank `rank` until the driver says stop. `device` defaults to the rank's own
     (`EngineArgs.rank_device`); a Ray actor, which sees only its own GPU, passes cuda:0."""
-    from muse.distributed.parallel_state import (destroy_distributed, get_world_group,
-                                                 init_distributed)
+    from muse.distributed.parallel_state import (destroy_distributed, get_dp_group,
+                                                 get_world_group, init_distributed)
     from muse.engine.engine import load_engine_model
     from muse.engine.executor import KEEPALIVE
+    from muse.engine.rank_memory import shared_kv_budget
     from muse.engine.runner import allocate_kv_caches
+    from muse.engine.step_message import RequestMirror, build_host_batch, decode_delta
     from muse.engine.worker import ModelWorker
 
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(name)s: %(message)s")
@@ -35,11 +37,21 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
     world = get_world_group()
     try:
         _, model, dtype = load_engine_model(args, device)
+        shared_kv_budget(model.eval(), args, device, dtype)
         num_blocks = world.broadcast_object(None, src=0)
         kv_caches = allocate_kv_caches(model, num_blocks, args.block_size, dtype, device)
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
+        # This rank's data-parallel rank's requests, as the driver's deltas describe them.
+        kinds = list(num_blocks)
+        mirror = RequestMirror(kinds)
+        dp_rank = get_dp_group().rank_in_group
         while (message := world.broadcast_object(None, src=0)) is not None:
-            if message != KEEPALIVE:
-                worker.execute(message.batch, message.logits_rows)
+            if message == KEEPALIVE:
+                continue
+            delta = message.deltas[dp_rank]
+            batch = None if delta is None else build_host_batch(
+                kinds, args.block_size, model.config.sliding_window,
+                mirror.apply(decode_delta(delta)))
+            worker.execute_data_parallel(batch, message.num_tokens, message.logits_rows)
     finally:
         destroy_distributed()

@@ -25,6 +25,17 @@ class KindMetadata:
 
 
 @dataclass
+class ContextParallelMetadata:
+    """Prefill context parallelism: the step's tokens are cut into contiguous slices, one per
+    rank of the context-parallel group, and this rank's `BatchMetadata` describes its slice.
+    Each rank's K/V is gathered so that every rank writes the whole step's K/V (its cache
+    holds every token, as the decode expects) before attending with its own queries."""
+
+    num_tokens: list[int]  # tokens of each rank's slice, in group order
+    slot_mappings: dict[str, torch.Tensor]  # kind -> [step tokens] slot of every token
+
+
+@dataclass
 class BatchMetadata:
     positions: torch.Tensor  # [tokens]
     token_request: torch.Tensor  # [tokens] index of the request each token belongs to
@@ -33,6 +44,10 @@ class BatchMetadata:
     max_query_len: int
     kinds: dict[str, KindMetadata]
     block_size: int
+    # With data parallelism and expert parallelism: the tokens of each data-parallel rank's
+    # batch this step (MoE layers gather every rank's tokens); None otherwise.
+    dp_num_tokens: list[int] | None = None
+    context_parallel: ContextParallelMetadata | None = None
 
     @property
     def num_requests(self) -> int:

@@ -13,11 +13,14 @@ Two ways to shard, chosen by the parallel config:
   partial (token, expert) outputs are all-reduced over TP *before* the norm, inside
   `fused_experts` (its `reduce_pairs` hook): k times the bytes of reducing the combined
   output, the price of a norm per expert. After it every rank holds the full result.
-* EP (`enable_expert_parallel`): rank r of the EP group holds whole experts
+* EP (`enable_expert_parallel`): rank r of the EP group (dp x tp ranks) holds whole experts
   [r * E/ep, (r + 1) * E/ep), intermediate unsplit. Each rank computes its experts' share of
-  every token and the shares are summed by an all-reduce over the EP group. This needs every
-  rank of the EP group to hold the same tokens (EP group = TP group); the all-to-all dispatch
-  that DP + EP needs comes later.
+  every token and the shares are summed over the EP group. The TP ranks of one data-parallel
+  rank hold the same tokens; data-parallel ranks hold different ones, so with DP > 1 each
+  rank first all-gathers the tokens of every DP rank (padded to the largest count), and the
+  shares are summed by an all-reduce over TP, then a reduce-scatter over DP that hands each DP
+  rank back its own rows: all-gather + reduce-scatter dispatch (what vLLM calls its naive
+  all2all backend), the same bytes as an all-to-all when every rank routes everywhere.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from muse.distributed.parallel_state import get_ep_group, get_parallel_config, get_tp_group
+from muse.distributed.parallel_state import (get_dp_group, get_ep_group, get_parallel_config,
+                                             get_tp_group)
 from muse.kernels.moe import fused_experts_torch
 from muse.layers.lazy_slice import LazySlice, copy_into
 from muse.layers.quantization import QuantizationConfig, moe_method, set_weight_attrs
@@ -78,14 +83,15 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.eps = eps
+        self.dp_group = None
         if config.enable_expert_parallel:
-            if config.expert_parallel_size != config.tensor_parallel_size:
-                raise ValueError(
-                    "expert parallelism needs the same tokens on every rank of the EP group "
-                    "until the all-to-all dispatch exists: data_parallel_size and "
-                    "prefill_context_parallel_size must be 1 with enable_expert_parallel, got "
-                    f"{config.data_parallel_size} and {config.prefill_context_parallel_size}")
+            if config.prefill_context_parallel_size > 1:
+                raise ValueError("expert parallelism with prefill context parallelism is not "
+                                 "supported: use one of enable_expert_parallel and "
+                                 "prefill_context_parallel_size > 1")
             self.ep_group = get_ep_group()
+            if config.data_parallel_size > 1:
+                self.dp_group = get_dp_group()
             self.tp_group = None
             self.tp_size, self.tp_rank = 1, 0
         else:
@@ -191,22 +197,50 @@ class FusedMoE(nn.Module):
         assert self.tp_group is not None
         return self.tp_group.all_reduce(y)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                dp_num_tokens: list[int] | None = None) -> torch.Tensor:
+        """`dp_num_tokens`: the token count of every data-parallel rank this step (needed, and
+        only used, when experts are spread over data-parallel ranks)."""
+        if self.dp_group is not None:
+            return self._forward_data_parallel(x, topk_weights, topk_ids, dp_num_tokens)
         if self.ep_size > 1:
-            # Experts are contiguous per rank, so a global id modulo the local count is its
-            # local id here. Pairs of other ranks' experts run on a local expert with weight
-            # 0 (static shapes, no host sync; their compute is wasted until the kernels
-            # learn to skip non-local pairs).
-            is_local = topk_ids // self.num_local_experts == self.ep_rank
-            topk_weights = torch.where(is_local, topk_weights, 0.0)
-            topk_ids = topk_ids % self.num_local_experts
+            topk_weights, topk_ids = self._local_pairs(topk_weights, topk_ids)
         reduce_pairs = self._all_reduce_pairs if self.tp_size > 1 else None
         out = self.quant_method.apply(self, x, topk_weights, topk_ids, reduce_pairs=reduce_pairs)
         if self.ep_size > 1:
             assert self.ep_group is not None
             out = self.ep_group.all_reduce(out)
         return out
+
+    def _local_pairs(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts are contiguous per rank, so a global id modulo the local count is its local
+        id here. Pairs of other ranks' experts run on a local expert with weight 0 (static
+        shapes, no host sync; their compute is wasted until the kernels learn to skip
+        non-local pairs)."""
+        is_local = topk_ids // self.num_local_experts == self.ep_rank
+        return torch.where(is_local, topk_weights, 0.0), topk_ids % self.num_local_experts
+
+    def _forward_data_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                               topk_ids: torch.Tensor, dp_num_tokens: list[int] | None
+                               ) -> torch.Tensor:
+        assert self.dp_group is not None
+        dp = self.dp_group
+        if dp_num_tokens is None or len(dp_num_tokens) != dp.world_size \
+                or dp_num_tokens[dp.rank_in_group] != x.shape[0]:
+            raise ValueError(f"{self.prefix}: experts spread over {dp.world_size} data-parallel "
+                             "ranks need every rank's token count this step (dp_num_tokens), "
+                             f"got {dp_num_tokens} for {x.shape[0]} local tokens")
+        rows = max(dp_num_tokens)
+        pad = rows - x.shape[0]
+        # Padding rows route to expert 0 with weight 0: they add nothing anywhere.
+        gathered = [dp.all_gather(F.pad(t, (0, 0, 0, pad)), dim=0)
+                    for t in (x, topk_weights, topk_ids)]
+        weights, ids = self._local_pairs(gathered[1], gathered[2])
+        out = self.quant_method.apply(self, gathered[0], weights, ids, reduce_pairs=None)
+        tp = get_tp_group()
+        out = dp.reduce_scatter(tp.all_reduce(out), dim=0)
+        return out[:x.shape[0]]
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.num_experts} (from "

@@ -2,7 +2,9 @@
 
 Heads are split over tensor-parallel ranks by `QKVParallelLinear` (each rank keeps the K/V
 heads its query heads read, replicated when there are more ranks than K/V heads) and summed
-back by `o_proj`, a `RowParallelLinear`. The kernels come from the attention backend chosen
+back by `o_proj`, a `RowParallelLinear`. With prefill context parallelism each rank projects
+its own slice of the step's tokens, and the slices' K/V are all-gathered before the cache
+write (see `ContextParallelMetadata`). The kernels come from the attention backend chosen
 when the model was built.
 """
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from muse.config import TextConfig
+from muse.distributed.parallel_state import get_pcp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import AttentionBackend
 from muse.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -56,7 +59,14 @@ class EngineAttention(nn.Module):
             q_norm.eps if q_norm is not None else 0.0)
         kind = meta.kinds[self.layer_type]
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k_cache, v_cache, k, v, kind.slot_mapping)
+        slots, context = kind.slot_mapping, meta.context_parallel
+        if context is not None:
+            # This rank's queries attend to keys of the other ranks' slices too.
+            group = get_pcp_group()
+            k = group.all_gather_rows(k, context.num_tokens)
+            v = group.all_gather_rows(v, context.num_tokens)
+            slots = context.slot_mappings[self.layer_type]
+        self.backend.write_kv(k_cache, v_cache, k, v, slots)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, kind, self.sliding_window,
                                            self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse.config import LAYER_TYPES, TextConfig
-from muse.distributed.parallel_state import get_pp_group
+from muse.distributed.parallel_state import get_pcp_group, get_pp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import ModelBackends
 from muse.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -42,6 +42,7 @@ class EngineDecoderLayer(nn.Module):
                                          f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype,
                                                 f"{prefix}.post_attention_layernorm")
+        self.is_moe = config.is_moe
         self.mlp = EngineMoE(config, backends.moe, params_dtype, f"{prefix}.mlp") \
             if config.is_moe else EngineMLP(config.hidden_size, config.intermediate_size,
                                             params_dtype, f"{prefix}.mlp")
@@ -61,6 +62,8 @@ class EngineDecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, meta=meta, kv_cache=kv_cache)
         norm = self.post_attention_layernorm
         h, residual = self.norms.add_rms_norm(h, residual, norm.weight, norm.eps)
+        if self.is_moe:
+            return self.mlp(h, meta.dp_num_tokens), residual
         return self.mlp(h), residual
 
 
@@ -163,6 +166,9 @@ class EngineModel(nn.Module):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
         if not self.is_last_stage:
             return x, residual
+        if meta.context_parallel is not None:
+            # Every rank gets the whole step's hidden states (the logits rows are anywhere).
+            return get_pcp_group().all_gather_rows(x + residual, meta.context_parallel.num_tokens)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,13 +61,15 @@ class EngineMoE(nn.Module):
             hidden, config.moe_intermediate_size * config.num_shared_experts, params_dtype,
             f"{prefix}.shared_expert") if config.num_shared_experts else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dp_num_tokens: list[int] | None = None) -> torch.Tensor:
+        """`dp_num_tokens`: every data-parallel rank's token count this step, when the
+        experts are spread over data-parallel ranks (see `FusedMoE`)."""
         config = self.config
         weights, expert_ids = self.backend.route_topk(self.gate(x), config.num_experts_per_tok,
                                                       config.router_scoring,
                                                       config.norm_topk_prob)
         latent = self.pooler(x) if self.pooler is not None else x
-        combined = self.experts(latent, weights, expert_ids)
+        combined = self.experts(latent, weights, expert_ids, dp_num_tokens)
         out = self.unpooler(combined) if self.unpooler is not None else combined
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)

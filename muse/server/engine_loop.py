@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from muse.engine.args import EngineArgs
-from muse.engine.engine import EngineCore
+from muse.engine.data_parallel import Engine, make_engine
 from muse.engine.errors import InvalidRequestError
 from muse.engine.request import Request
 from muse.server.messages import (
@@ -29,17 +29,21 @@ logger = logging.getLogger("muse.engine")
 STATS_INTERVAL_S = 0.2
 
 
-def engine_stats(engine: EngineCore) -> EngineStats:
-    kv = engine.kv_cache
+def engine_stats(engine: Engine) -> EngineStats:
+    """Summed over the data-parallel ranks (KV usage: their mean)."""
+    replicas = engine.replicas
     return EngineStats(
-        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
-        kv_usage=kv.usage(), kv_blocks_used=sum(p.num_used for p in kv.pools.values()),
-        prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-        num_preemptions=engine.scheduler.num_preemptions)
+        running=sum(len(r.scheduler.running) for r in replicas),
+        waiting=sum(len(r.scheduler.waiting) for r in replicas),
+        kv_usage=sum(r.kv_cache.usage() for r in replicas) / len(replicas),
+        kv_blocks_used=sum(p.num_used for r in replicas for p in r.kv_cache.pools.values()),
+        prefix_cache_queries=sum(r.kv_cache.stats.queries for r in replicas),
+        prefix_cache_hits=sum(r.kv_cache.stats.hits for r in replicas),
+        num_preemptions=sum(r.scheduler.num_preemptions for r in replicas))
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, receive: Callable[[float], list],
+    def __init__(self, engine: Engine, receive: Callable[[float], list],
                  send: Callable[[list], None]) -> None:
         self.engine = engine
         self.receive = receive  # (timeout seconds) -> commands
@@ -160,7 +164,7 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
 
     engine = None
     try:
-        engine = EngineCore(args)
+        engine = make_engine(args)
         loop = EngineLoop(engine, receive, send)
         send([loop.ready_message()])
         loop.run()

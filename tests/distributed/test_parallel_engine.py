@@ -1,5 +1,5 @@
-"""Tensor, pipeline and expert parallelism on CPU (gloo): greedy output equals the one-process
-engine's.
+"""Tensor, pipeline, expert, data and prefill-context parallelism on CPU (gloo): greedy output
+equals the one-process engine's.
 
 Each layout runs the tiny preset and a Qwen3-MoE checkpoint written by transformers, with
 chunked prefill, prefix-cache hits and preemptions forced by a small KV budget in the batch.
@@ -12,13 +12,21 @@ from pathlib import Path
 import pytest
 
 from muse import LLM, SamplingParams
-from tests.engine.helpers import MIN_GREEDY_GAP, mixed_prompts, reference_greedy
+from tests.engine.helpers import (MIN_GREEDY_GAP, assert_same_outputs, mixed_prompts,
+                                  reference_greedy)
 
 MAX_TOKENS = 8
-# (tensor, pipeline, expert parallel): 4 TP ranks replicate the 2 K/V heads.
-LAYOUTS = [(2, 1, False), (4, 1, False), (2, 1, True), (4, 1, True), (1, 2, False),
-           (2, 2, False)]
-LAYOUT_IDS = ["tp2", "tp4", "ep2", "ep4", "pp2", "tp2xpp2"]
+# 4 TP ranks replicate the 2 K/V heads; DP ranks each schedule their own share of the prompts.
+LAYOUTS = {
+    "tp2": {"tensor_parallel_size": 2},
+    "tp4": {"tensor_parallel_size": 4},
+    "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "ep4": {"tensor_parallel_size": 4, "enable_expert_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2xpp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    "dp2xep": {"data_parallel_size": 2, "enable_expert_parallel": True},
+    "pcp2": {"prefill_context_parallel_size": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,8 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def kv_bytes_per_token(llm: LLM) -> int:
     """One token's K and V on one rank (every layer), float32."""
-    config = llm.engine.config
-    return config.num_hidden_layers * 2 * llm.engine.model.num_kv_heads * config.head_dim * 4
+    config, model = llm.engine.config, llm.engine.replicas[0].model
+    return config.num_hidden_layers * 2 * model.num_kv_heads * config.head_dim * 4
 
 
 def run(model: str, prompts: list[list[int]], **engine_args) -> tuple[list, dict]:
@@ -43,10 +51,19 @@ def run(model: str, prompts: list[list[int]], **engine_args) -> tuple[list, dict
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        stats = {"hits": llm.engine.kv_cache.stats.hits,
-                 "preemptions": llm.engine.scheduler.num_preemptions,
-                 "kv_heads": llm.engine.model.num_kv_heads,
-                 "token_bytes": kv_bytes_per_token(llm)}
+        # The longest prompt twice more, alone: the second run finds its KV in the prefix
+        # cache (an idle engine places both on the same data-parallel rank).
+        longest = max(prompts, key=len)
+        tokens += [llm.generate([longest], params)[0].outputs[0].token_ids for _ in range(2)]
+        replicas = llm.engine.replicas  # one per data-parallel rank
+        worker = llm.engine.executor.worker  # rank 0's
+        stats = {"hits": [r.kv_cache.stats.hits for r in replicas],
+                 "preemptions": [r.scheduler.num_preemptions for r in replicas],
+                 "kv_heads": replicas[0].model.num_kv_heads,
+                 "token_bytes": kv_bytes_per_token(llm),
+                 # pipeline steps by their number of micro-batches
+                 "micro_batches": dict(worker.micro_batch_steps),
+                 "context_parallel_steps": worker.context_parallel_steps}
     finally:
         llm.shutdown()
     return tokens, stats
@@ -76,24 +93,48 @@ def single_process(qwen3_moe: Path) -> dict[str, tuple[list, list, int]]:
     return expected
 
 
-@pytest.mark.parametrize(("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel"),
-                         LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("which", ["tiny", "qwen3-moe"])
-def test_parallel_greedy_equals_one_process(single_process, qwen3_moe, which,
-                                            tensor_parallel_size, pipeline_parallel_size,
-                                            expert_parallel):
+def test_parallel_greedy_equals_one_process(single_process, qwen3_moe, which, layout):
     model = "muse-spark-tiny" if which == "tiny" else str(qwen3_moe)
     prompts, want, token_bytes, extra = single_process[model]
+    tensor_parallel_size = layout.get("tensor_parallel_size", 1)
+    pipeline_parallel_size = layout.get("pipeline_parallel_size", 1)
     one_rank_kv_heads = 2
     kv_heads = max(1, one_rank_kv_heads // tensor_parallel_size)
     # The same number of KV blocks as a one-process run with room for ~200 tokens: the batch
     # cannot all fit, so requests are preempted and recomputed. A rank holds its share of the
-    # K/V heads and 1/pp of the layers.
-    budget = 200 * token_bytes * kv_heads // one_rank_kv_heads // pipeline_parallel_size
-    got, stats = run(model, prompts, tensor_parallel_size=tensor_parallel_size,
-                     pipeline_parallel_size=pipeline_parallel_size,
-                     enable_expert_parallel=expert_parallel, kv_cache_memory_bytes=budget,
-                     **extra)
+    # K/V heads and 1/pp of the layers; each data-parallel rank has a cache of its own for
+    # about half the requests (3/4 of the room: the longest prompt must still fit).
+    tokens = 150 if "data_parallel_size" in layout else 200
+    budget = tokens * token_bytes * kv_heads // one_rank_kv_heads // pipeline_parallel_size
+    got, stats = run(model, prompts, kv_cache_memory_bytes=budget, **layout, **extra)
     assert got == want
     assert stats["kv_heads"] == kv_heads
-    assert stats["hits"] > 0 and stats["preemptions"] > 0
+    # The prefix cache was hit, and every data-parallel rank preempted.
+    assert sum(stats["hits"]) > 0 and min(stats["preemptions"]) > 0, stats
+    if pipeline_parallel_size > 1:
+        # Steps of several requests ran as one micro-batch per stage; never more.
+        assert stats["micro_batches"].get(pipeline_parallel_size, 0) > 0, stats
+        assert max(stats["micro_batches"]) == pipeline_parallel_size
+    # Steps were split over the context-parallel ranks (and only then).
+    assert (stats["context_parallel_steps"] > 0) == ("prefill_context_parallel_size" in layout)
+
+
+def test_pp2_micro_batches_keep_logits_order(single_process):
+    """Logits rows come back from the micro-batches in the step's order, also when prompt
+    logprob rows come before the sampled rows: logprobs equal the one-process engine's."""
+    prompts, _, _, extra = single_process["muse-spark-tiny"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    outputs, steps = {}, {}
+    for pp in (1, 2):
+        llm = LLM("muse-spark-tiny", device="cpu", dtype="float32", max_num_batched_tokens=40,
+                  max_num_seqs=8, pipeline_parallel_size=pp, **extra)
+        try:
+            outputs[pp] = llm.generate(prompts[:6], params)
+            steps[pp] = dict(llm.engine.executor.worker.micro_batch_steps)
+        finally:
+            llm.shutdown()
+    assert steps[1] == {} and steps[2].get(2, 0) > 0, steps
+    assert_same_outputs(outputs[2], outputs[1])

@@ -89,6 +89,11 @@ def group_checks(group: GroupCoordinator, seed: int) -> list[Check]:
         checks.append(Check(f"reduce_scatter dim={dim}", group.reduce_scatter(mine, dim).cpu(),
                             sum(xs).chunk(n, dim)[me], exact=False))
         checks.append(Check(f"reduce_scatter dim={dim} leaves x", mine.cpu(), before.cpu()))
+    # Uneven rows, one rank empty when there are several.
+    counts = [(r * 2 + seed) % 4 if n > 1 else 3 for r in range(n)]
+    xs = [_random(seed + 9, member, counts[r], 3) for r, member in enumerate(members)]
+    checks.append(Check("all_gather_rows", group.all_gather_rows(run(xs[me]), counts).cpu(),
+                        torch.cat(xs)))
     checks += _all_to_all_checks(group, seed, run)
     for src in range(n):
         xs = inputs(6 + src, 4, 2)

@@ -1,0 +1,204 @@
+"""The per-step message from the driver (rank 0) to the other ranks, and the batch it rebuilds.
+
+The driver schedules and samples; the other ranks need each step's `HostBatch`, whose block
+tables grow with the context. Instead each rank mirrors the requests: one is sent whole once
+(`NewRequestData`: tokens so far, block tables), then only as what was appended since
+(`CachedRequestData`: tokens, sampled ones included, and table entries), and dropped when it
+finishes or is preempted. A decode step costs a few ints a request whatever the context.
+
+Block tables only grow by appends, except that entries before a sliding layer's window start
+become the null block; a step never reads those (tables are sliced from the window start), so
+the mirror may keep the old values. A preempted request's blocks are freed and reallocated
+when it resumes: it is sent again as new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import msgspec
+
+from muse.engine.kv_cache import window_start_block
+from muse.engine.metadata import HostBatch
+from muse.engine.request import Request
+from muse.engine.scheduler import ScheduledRequest
+
+BlockTables = Callable[[Request], dict[str, list[int]]]
+
+
+class BatchEntry(NamedTuple):
+    """One scheduled request as the batch needs it."""
+
+    token_ids: list[int]  # the step's input tokens, positions start..start+num_new_tokens-1
+    start: int  # tokens whose KV is already cached
+    num_new_tokens: int
+    tables: dict[str, list[int]]  # whole block table per kind
+
+
+def build_host_batch(kinds: Sequence[str], block_size: int, sliding_window: int | None,
+                     entries: Iterable[BatchEntry]) -> HostBatch:
+    """The step's batch, requests in the order of `entries` (the driver and every mirror build
+    it with this one function, so they agree)."""
+    batch = HostBatch(kinds=list(kinds), max_query_len=0)
+    for index, (token_ids, start, num_new_tokens, tables) in enumerate(entries):
+        end = start + num_new_tokens
+        batch.max_query_len = max(batch.max_query_len, num_new_tokens)
+        batch.input_ids.extend(token_ids)
+        new_positions = range(start, end)
+        batch.positions.extend(new_positions)
+        batch.token_request.extend([index] * num_new_tokens)
+        batch.query_start.append(batch.query_start[-1] + num_new_tokens)
+        batch.seq_lens.append(end)
+        for kind in batch.kinds:
+            table = tables[kind]
+            batch.slots[kind].extend(table[p // block_size] * block_size + p % block_size
+                                     for p in new_positions)
+            first = window_start_block(kind, start, sliding_window, block_size)
+            batch.first_blocks[kind].append(first)
+            batch.tables[kind].append(table[first:-(-end // block_size)])
+    return batch
+
+
+def scheduled_entries(scheduled: Iterable[ScheduledRequest], block_tables: BlockTables
+                      ) -> Iterator[BatchEntry]:
+    """The driver's entries, read from its requests (before `num_computed_tokens` advances)."""
+    for item in scheduled:
+        request, start = item.request, item.request.num_computed_tokens
+        yield BatchEntry(request.token_ids(start, start + item.num_new_tokens), start,
+                         item.num_new_tokens, block_tables(request))
+
+
+# ---- the message -----------------------------------------------------------------------------
+# Positional (array_like) with small int tags: a decode request is ~[1, id, start, 1, [t], []].
+class NewRequestData(msgspec.Struct, tag=0, array_like=True):
+    """A request the workers do not hold (or hold from before a preemption): sent whole."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    token_ids: list[int]  # tokens 0.. as far as known and needed by this step
+    block_tables: list[list[int]]  # per kind, in the kinds' order
+
+
+class CachedRequestData(msgspec.Struct, tag=1, array_like=True):
+    """A request the workers hold: only what was appended since it was last sent."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    new_token_ids: list[int]
+    new_block_ids: list[list[int]]  # per kind in the kinds' order; [] when no table grew
+
+
+class StepDelta(msgspec.Struct, array_like=True):
+    scheduled: list[NewRequestData | CachedRequestData]  # in the batch's request order
+    finished: list[str]  # ids to drop (finished, aborted, preempted), applied first
+
+    @property
+    def new(self) -> list[NewRequestData]:
+        return [i for i in self.scheduled if isinstance(i, NewRequestData)]
+
+    @property
+    def cached(self) -> list[CachedRequestData]:
+        return [i for i in self.scheduled if isinstance(i, CachedRequestData)]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StepDelta)
+
+
+def encode_delta(delta: StepDelta) -> bytes:
+    return _encoder.encode(delta)
+
+
+def decode_delta(data: bytes) -> StepDelta:
+    return _decoder.decode(data)
+
+
+# ---- the two ends ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Sent:
+    """What the workers hold of one request."""
+
+    request: Request  # the object sent: a reused id after a finish is another request
+    num_tokens: int
+    num_blocks: list[int]  # per kind
+    num_preemptions: int
+
+
+class StepEncoder:
+    """The driver's side: knows what the workers hold, sends each step only the difference."""
+
+    def __init__(self, kinds: Sequence[str]) -> None:
+        self.kinds = list(kinds)
+        self.sent: dict[str, _Sent] = {}
+
+    def encode(self, scheduled: list[ScheduledRequest], block_tables: BlockTables
+               ) -> StepDelta:
+        """The step's delta; call it where the batch is built (before `num_computed_tokens`
+        advances), once per step: it records what the workers will then hold."""
+        items: list[NewRequestData | CachedRequestData] = []
+        for item in scheduled:
+            request, n = item.request, item.num_new_tokens
+            start, request_id = request.num_computed_tokens, request.request_id
+            by_kind = block_tables(request)
+            tables = [by_kind[kind] for kind in self.kinds]
+            # Tokens sampled by a step not read back yet have no value here (overlapped
+            # schedule): they are sent once known; the mirror reads them as 0 meanwhile, as
+            # `Request.token_ids` does for the driver.
+            known = min(start + n, request.num_tokens - request.num_pending_tokens)
+            sent = self.sent.get(request_id)
+            if (sent is None or sent.request is not request
+                    or sent.num_preemptions != request.num_preemptions):
+                items.append(NewRequestData(request_id, start, n, request.token_ids(0, known),
+                                            [list(table) for table in tables]))
+                self.sent[request_id] = _Sent(request, known, [len(t) for t in tables],
+                                              request.num_preemptions)
+                continue
+            new_tokens = request.token_ids(sent.num_tokens, max(known, sent.num_tokens))
+            new_blocks = [table[count:] for table, count in zip(tables, sent.num_blocks)]
+            items.append(CachedRequestData(request_id, start, n, new_tokens,
+                                           new_blocks if any(new_blocks) else []))
+            sent.num_tokens = max(sent.num_tokens, known)
+            sent.num_blocks = [len(table) for table in tables]
+        # Held requests not scheduled: dropped once finished or preempted. A held request
+        # leaves `running` only so, and is dropped the next step: this visits ~`running`.
+        scheduled_ids = {item.request.request_id for item in scheduled}
+        finished = [request_id for request_id, sent in self.sent.items()
+                    if request_id not in scheduled_ids and (
+                        sent.request.is_finished
+                        or sent.request.num_preemptions != sent.num_preemptions)]
+        for request_id in finished:
+            del self.sent[request_id]
+        return StepDelta(items, finished)
+
+
+class RequestMirror:
+    """A worker's side: the requests' tokens and block tables, kept up to date by deltas."""
+
+    def __init__(self, kinds: Sequence[str]) -> None:
+        self.kinds = list(kinds)
+        # request id -> (token ids so far, block table per kind)
+        self.requests: dict[str, tuple[list[int], dict[str, list[int]]]] = {}
+
+    def apply(self, delta: StepDelta) -> list[BatchEntry]:
+        """Update the mirror; returns the step's entries for `build_host_batch`, in order."""
+        for request_id in delta.finished:
+            self.requests.pop(request_id, None)
+        entries = []
+        for item in delta.scheduled:
+            if isinstance(item, NewRequestData):
+                tokens, tables = item.token_ids, dict(zip(self.kinds, item.block_tables))
+                self.requests[item.request_id] = (tokens, tables)
+            else:
+                tokens, tables = self.requests[item.request_id]
+                tokens.extend(item.new_token_ids)
+                for kind, blocks in zip(self.kinds, item.new_block_ids):
+                    tables[kind].extend(blocks)
+            start, end = item.start, item.start + item.num_new_tokens
+            # Tokens not sent yet (pending on the driver) read as 0, as on the driver.
+            inputs = tokens[start:end] + [0] * (end - max(start, len(tokens)))
+            entries.append(BatchEntry(inputs, start, item.num_new_tokens, tables))
+        return entries
