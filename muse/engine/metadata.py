@@ -1,14 +1,24 @@
-"""A step's metadata on the host, and its copy to the device as the model's `BatchMetadata`."""
+"""A step's metadata on the host (built from per-request entries), and its copy to the device as
+the model's `BatchMetadata`."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from muse.engine.kv_cache import window_start_block
 from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
+
+if TYPE_CHECKING:
+    from muse.engine.request import Request
+    from muse.engine.scheduler import ScheduledRequest
+
+    BlockTables = Callable[[Request], dict[str, list[int]]]
 
 
 @dataclass
@@ -135,3 +145,45 @@ class HostBatch:
             seq_lens=seq_lens, max_query_len=self.max_query_len, kinds=kinds,
             block_size=block_size, dp_num_tokens=self.dp_num_tokens)
         return input_ids, meta
+
+
+class BatchEntry(NamedTuple):
+    """One scheduled request as the batch needs it."""
+
+    token_ids: list[int]  # the step's input tokens, positions start..start+num_new_tokens-1
+    start: int  # tokens whose KV is already cached
+    num_new_tokens: int
+    tables: dict[str, list[int]]  # whole block table per kind
+
+
+def build_host_batch(kinds: Sequence[str], block_size: int, sliding_window: int | None,
+                     entries: Iterable[BatchEntry]) -> HostBatch:
+    """The step's batch, requests in the order of `entries` (the driver and every mirror build
+    it with this one function, so they agree)."""
+    batch = HostBatch(kinds=list(kinds), max_query_len=0)
+    for index, (token_ids, start, num_new_tokens, tables) in enumerate(entries):
+        end = start + num_new_tokens
+        batch.max_query_len = max(batch.max_query_len, num_new_tokens)
+        batch.input_ids.extend(token_ids)
+        new_positions = range(start, end)
+        batch.positions.extend(new_positions)
+        batch.token_request.extend([index] * num_new_tokens)
+        batch.query_start.append(batch.query_start[-1] + num_new_tokens)
+        batch.seq_lens.append(end)
+        for kind in batch.kinds:
+            table = tables[kind]
+            batch.slots[kind].extend(table[p // block_size] * block_size + p % block_size
+                                     for p in new_positions)
+            first = window_start_block(kind, start, sliding_window, block_size)
+            batch.first_blocks[kind].append(first)
+            batch.tables[kind].append(table[first:-(-end // block_size)])
+    return batch
+
+
+def scheduled_entries(scheduled: Iterable[ScheduledRequest], block_tables: BlockTables
+                      ) -> Iterator[BatchEntry]:
+    """The driver's entries, read from its requests (before `num_computed_tokens` advances)."""
+    for item in scheduled:
+        request, start = item.request, item.request.num_computed_tokens
+        yield BatchEntry(request.token_ids(start, start + item.num_new_tokens), start,
+                         item.num_new_tokens, block_tables(request))

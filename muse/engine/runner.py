@@ -8,12 +8,10 @@ import torch
 
 from muse.engine.executor import Executor
 from muse.engine.kv_cache import KVCacheManager
-from muse.engine.metadata import HostBatch
+from muse.engine.metadata import HostBatch, build_host_batch, scheduled_entries
 from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
-from muse.engine.step_message import (StepEncoder, build_host_batch, encode_delta,
-                                      scheduled_entries)
 from muse.engine.transfer import HostCopy, to_device
 from muse.model.decoder import EngineModel
 
@@ -80,8 +78,11 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.grammar_compiler = None  # set by the engine once a request is constrained
         # With several ranks, what each step sends them (they mirror the requests).
-        self.step_encoder = StepEncoder(list(kv_cache.pools)) if executor.has_other_ranks \
-            else None
+        self.step_encoder = None
+        if executor.has_other_ranks:
+            from muse.engine.step_message import StepEncoder
+
+            self.step_encoder = StepEncoder(list(kv_cache.pools))
 
     def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         kv_cache = self.kv_cache
@@ -137,8 +138,8 @@ class ModelRunner:
         prepared.logits_rows.extend(sample_index)
         prepared.batch = self._host_batch(scheduled)
         if self.step_encoder is not None:
-            prepared.delta = encode_delta(self.step_encoder.encode(scheduled,
-                                                                   self.kv_cache.block_tables))
+            prepared.delta = self.step_encoder.encode_bytes(scheduled,
+                                                            self.kv_cache.block_tables)
         prepared.pending = self._pending_inputs(scheduled, previous)
         return prepared
 

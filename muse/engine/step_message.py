@@ -14,60 +14,16 @@ when it resumes: it is sent again as new.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import msgspec
 
-from muse.engine.kv_cache import window_start_block
-from muse.engine.metadata import HostBatch
+from muse.engine.metadata import BatchEntry
 from muse.engine.request import Request
 from muse.engine.scheduler import ScheduledRequest
 
 BlockTables = Callable[[Request], dict[str, list[int]]]
-
-
-class BatchEntry(NamedTuple):
-    """One scheduled request as the batch needs it."""
-
-    token_ids: list[int]  # the step's input tokens, positions start..start+num_new_tokens-1
-    start: int  # tokens whose KV is already cached
-    num_new_tokens: int
-    tables: dict[str, list[int]]  # whole block table per kind
-
-
-def build_host_batch(kinds: Sequence[str], block_size: int, sliding_window: int | None,
-                     entries: Iterable[BatchEntry]) -> HostBatch:
-    """The step's batch, requests in the order of `entries` (the driver and every mirror build
-    it with this one function, so they agree)."""
-    batch = HostBatch(kinds=list(kinds), max_query_len=0)
-    for index, (token_ids, start, num_new_tokens, tables) in enumerate(entries):
-        end = start + num_new_tokens
-        batch.max_query_len = max(batch.max_query_len, num_new_tokens)
-        batch.input_ids.extend(token_ids)
-        new_positions = range(start, end)
-        batch.positions.extend(new_positions)
-        batch.token_request.extend([index] * num_new_tokens)
-        batch.query_start.append(batch.query_start[-1] + num_new_tokens)
-        batch.seq_lens.append(end)
-        for kind in batch.kinds:
-            table = tables[kind]
-            batch.slots[kind].extend(table[p // block_size] * block_size + p % block_size
-                                     for p in new_positions)
-            first = window_start_block(kind, start, sliding_window, block_size)
-            batch.first_blocks[kind].append(first)
-            batch.tables[kind].append(table[first:-(-end // block_size)])
-    return batch
-
-
-def scheduled_entries(scheduled: Iterable[ScheduledRequest], block_tables: BlockTables
-                      ) -> Iterator[BatchEntry]:
-    """The driver's entries, read from its requests (before `num_computed_tokens` advances)."""
-    for item in scheduled:
-        request, start = item.request, item.request.num_computed_tokens
-        yield BatchEntry(request.token_ids(start, start + item.num_new_tokens), start,
-                         item.num_new_tokens, block_tables(request))
 
 
 # ---- the message -----------------------------------------------------------------------------
@@ -134,6 +90,11 @@ class StepEncoder:
     def __init__(self, kinds: Sequence[str]) -> None:
         self.kinds = list(kinds)
         self.sent: dict[str, _Sent] = {}
+
+    def encode_bytes(self, scheduled: list[ScheduledRequest], block_tables: BlockTables
+                     ) -> bytes:
+        """`encode`, as the bytes that travel."""
+        return encode_delta(self.encode(scheduled, block_tables))
 
     def encode(self, scheduled: list[ScheduledRequest], block_tables: BlockTables
                ) -> StepDelta:

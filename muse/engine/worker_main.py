@@ -26,7 +26,8 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
     from muse.engine.executor import KEEPALIVE
     from muse.engine.rank_memory import shared_kv_budget
     from muse.engine.runner import allocate_kv_caches
-    from muse.engine.step_message import RequestMirror, build_host_batch, decode_delta
+    from muse.engine.metadata import build_host_batch
+    from muse.engine.step_message import RequestMirror, decode_delta
     from muse.engine.worker import ModelWorker
 
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(name)s: %(message)s")

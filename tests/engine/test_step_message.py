@@ -15,13 +15,12 @@ from muse.config import FULL, SLIDING
 from muse.engine.executor import Executor, UniExecutor
 from muse.engine.kv_budget import block_bytes
 from muse.engine.kv_cache import NULL_BLOCK, KVCacheManager, window_start_block
-from muse.engine.metadata import HostBatch
+from muse.engine.metadata import BatchEntry, HostBatch, build_host_batch, scheduled_entries
 from muse.engine.request import Request, RequestStatus
 from muse.engine.runner import ModelRunner
 from muse.engine.scheduler import ScheduledRequest, Scheduler
-from muse.engine.step_message import (BatchEntry, CachedRequestData, NewRequestData,
-                                      RequestMirror, StepDelta, StepEncoder, build_host_batch,
-                                      decode_delta, encode_delta, scheduled_entries)
+from muse.engine.step_message import (CachedRequestData, NewRequestData, RequestMirror,
+                                      StepDelta, StepEncoder, decode_delta, encode_delta)
 from muse.presets import get_preset
 from tests.engine.helpers import mixed_prompts, tiny_llm
 
