@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import multiprocessing
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.rank_memory import shared_kv_budget
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
-from muse.engine.executor import (Executor, MultiprocExecutor, UniExecutor, WorkerProcess,
-                                  free_init_method)
+from muse.engine.executor import (Executor, MultiprocExecutor, UniExecutor, WorkerError,
+                                  WorkerProcess, free_init_method, stop_workers)
 from muse.engine.runner import LaunchedStep, ModelRunner, PreparedStep, allocate_kv_caches
 from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
@@ -91,6 +92,17 @@ class EngineCore:
         self.overlap_schedule = args.overlap_schedule and self.world_size == 1
         worker_processes, on_shutdown = self._start_world() if self.world_size > 1 \
             else ([], None)
+        try:
+            self._build(worker_processes, on_shutdown)
+        except BaseException:
+            # The workers would otherwise wait for this rank until the world's timeout.
+            stop_workers(worker_processes, on_shutdown)
+            raise
+
+    def _build(self, worker_processes: list[WorkerProcess],
+               on_shutdown: Callable[[], None] | None) -> None:
+        """The model, its KV cache and the executor (rank 0's share, with the workers')."""
+        args = self.args
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
         self.config = self.model_config.text_config
         self.model = model.eval()
@@ -163,8 +175,6 @@ class EngineCore:
     def _start_world(self) -> tuple[list[WorkerProcess], Callable[[], None] | None]:
         """Start a worker per rank but this one (a local process, or a Ray actor), then join
         the world as rank 0. Returns the workers and what releases their resources."""
-        from muse.distributed.parallel_state import init_distributed
-
         on_shutdown = None
         if self.args.executor_backend == "ray":
             from muse.engine.ray_workers import start_ray_workers
@@ -182,11 +192,44 @@ class EngineCore:
                          for rank in range(1, self.world_size)]
             for process in processes:
                 process.start()
-        init_distributed(self.args.parallel_config(), 0, init_method,
-                         backend="nccl" if self.device.type == "cuda" else "gloo",
-                         local_rank=self.device.index,
-                         timeout_s=self.args.distributed_timeout_s)
+        try:
+            self._join_world(init_method, processes)
+        except BaseException:
+            stop_workers(processes, on_shutdown)
+            raise
         return processes, on_shutdown
+
+    def _join_world(self, init_method: str, processes: list[WorkerProcess]) -> None:
+        """Join the world as rank 0, watching the workers meanwhile: one that dies before it
+        joins (a crash at import or while loading) fails this at once rather than after the
+        rendezvous timeout."""
+        from muse.distributed.parallel_state import init_distributed
+
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_distributed(self.args.parallel_config(), 0, init_method,
+                                 backend="nccl" if self.device.type == "cuda" else "gloo",
+                                 local_rank=self.device.index,
+                                 timeout_s=self.args.distributed_timeout_s)
+            except BaseException as error:  # re-raised below, in the caller's thread
+                failure.append(error)
+
+        thread = threading.Thread(target=join, name="muse-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = [(rank, p.exitcode) for rank, p in enumerate(processes, start=1)
+                    if not p.is_alive()]
+            if dead and thread.is_alive():
+                raise WorkerError("worker " + ", ".join(
+                    f"rank {rank} exited with code {code}" for rank, code in dead)
+                    + " before joining the world; see its log")
+        if failure:
+            raise failure[0]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
 
     def shutdown(self) -> None:
         """Stop the worker processes (if any) and leave the world."""

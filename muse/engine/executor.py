@@ -171,8 +171,6 @@ class MultiprocExecutor(Executor):
                 f"rank {rank} exited with code {code}" for rank, code in dead))
 
     def shutdown(self) -> None:
-        from muse.distributed.parallel_state import destroy_distributed
-
         self._stopped.set()
         with self._lock:
             if all(p.is_alive() for p in self.processes):
@@ -180,14 +178,23 @@ class MultiprocExecutor(Executor):
                     self.world.broadcast_object(None, src=0)
                 except RuntimeError:
                     pass  # a rank already gone: end the others below
-        for process in self.processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        destroy_distributed()
-        if self.on_shutdown is not None:
-            self.on_shutdown()
+        stop_workers(self.processes, self.on_shutdown, grace_s=10)
+
+
+def stop_workers(processes: list[WorkerProcess], on_shutdown: Callable[[], None] | None,
+                 grace_s: float = 0.0) -> None:
+    """End the workers (after `grace_s` to finish on their own), leave the world, and release
+    what started them."""
+    from muse.distributed.parallel_state import destroy_distributed
+
+    for process in processes:
+        process.join(timeout=grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    destroy_distributed()
+    if on_shutdown is not None:
+        on_shutdown()
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:

@@ -3,8 +3,10 @@ within the world's timeout, and either way nothing is left running."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -44,3 +46,28 @@ def test_a_hung_worker_fails_the_step_within_the_timeout():
         os.kill(worker.pid, signal.SIGKILL)
         llm.shutdown()
     assert not worker.is_alive()
+
+
+def test_a_worker_that_dies_while_starting_fails_the_engine_at_once():
+    """Killed as soon as it exists: rank 0 is waiting for it to join the world (or already in
+    a collective with it) and must fail within seconds, not the world's timeout, leaving no
+    process behind."""
+    killer = threading.Thread(target=_kill_first_child, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises((WorkerError, RuntimeError)):
+        LLM("muse-spark-tiny", init_std=0.1, device="cpu", dtype="float32",
+            tensor_parallel_size=2, distributed_timeout_s=120)
+    assert time.monotonic() - start < 60
+    killer.join()
+    assert multiprocessing.active_children() == []
+
+
+def _kill_first_child() -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in multiprocessing.active_children():
+            if child.name.startswith("muse-worker"):
+                os.kill(child.pid, signal.SIGKILL)
+                return
+        time.sleep(0.01)
