@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,6 +55,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     # A collective between ranks that takes longer than this fails (a hung rank).
     distributed_timeout_s: float = 600.0
+    # Speculative decoding (vLLM's names): a dict, its JSON text or a SpeculativeConfig.
+    speculative_config: Any = None
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -109,6 +112,12 @@ class EngineArgs:
         self._validate_model()
         self._validate_device()
         self._validate_parallel()
+        from muse.speculative.config import SpeculativeConfig
+
+        if SpeculativeConfig.parse(self.speculative_config) is not None \
+                and self.parallel_config().world_size > 1:
+            raise ValueError("`speculative_config` runs on one rank so far: use it without "
+                             "tensor, pipeline, data or context parallelism")
         from muse.kernels.backends import ATTENTION_BACKENDS, AUTO, MOE_BACKENDS
 
         for name, registry in (("attention_backend", ATTENTION_BACKENDS),

@@ -26,6 +26,10 @@ from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
+from muse.speculative.config import SpeculativeConfig
+from muse.speculative.metrics import SpecDecodingStats
+from muse.speculative.ngram import WINDOW as NGRAM_WINDOW
+from muse.speculative.ngram import propose_ngram
 from muse.checkpoint.configs import load_config
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
@@ -87,9 +91,14 @@ class EngineCore:
         self.args = args
         self.device = args.rank_device(0)
         self.world_size = args.parallel_config().world_size
+        self.speculative = SpeculativeConfig.parse(args.speculative_config)
+        self.spec_stats = SpecDecodingStats(self.speculative.num_speculative_tokens) \
+            if self.speculative is not None else None
         # With several ranks each step is read back before the next is built (the other
-        # ranks get the step's token ids from the host), and runs eagerly.
-        self.overlap_schedule = args.overlap_schedule and self.world_size == 1
+        # ranks get the step's token ids from the host), and runs eagerly. Speculation reads
+        # each step back too: the next step's drafts start after the tokens it accepted.
+        self.overlap_schedule = (args.overlap_schedule and self.world_size == 1
+                                 and self.speculative is None)
         worker_processes, on_shutdown = self._start_world() if self.world_size > 1 \
             else ([], None)
         try:
@@ -151,6 +160,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(args.block_size, self.num_blocks,
                                        self.config.sliding_window, args.enable_prefix_caching)
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
+        if self.speculative is not None:
+            self.runner.rejection_sample_method = self.speculative.rejection_sample_method
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
@@ -395,6 +406,8 @@ class EngineCore:
         are returned finished, with `error` set."""
         failed = self._collect_grammars()
         previous, self.in_flight = self.in_flight, None
+        if self.speculative is not None:
+            self._propose_drafts()
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled and previous is None and self.grammar_waiting and not failed:
             self.grammar_jobs.wait(GRAMMAR_WAIT_S)
@@ -410,6 +423,24 @@ class EngineCore:
                 changed += self._resolve(launched)
         # A request in both steps is reported once.
         return failed + list(dict.fromkeys(changed))
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every running request that decodes next: at most
+        `num_speculative_tokens`, and never past `max_tokens` or `max_model_len`. Requests
+        with a grammar decode plainly (their matcher cannot take tokens back)."""
+        spec = self.speculative
+        for request in self.scheduler.running:
+            if (request.grammar is not None or request.num_pending_tokens
+                    or request.num_computed_tokens != request.num_tokens - 1):
+                continue
+            room = min(spec.num_speculative_tokens,
+                       self.max_model_len - request.num_tokens - 1)
+            if request.params.max_tokens is not None:
+                room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+            tail = request.token_ids(max(0, request.num_tokens - NGRAM_WINDOW),
+                                     request.num_tokens)
+            request.spec_token_ids = propose_ngram(tail, room, spec.prompt_lookup_min,
+                                                   spec.prompt_lookup_max)
 
     def plan_step(self) -> tuple[list[Request], PreparedStep | None]:
         """The first half of a step run together with other data-parallel ranks: this rank's
@@ -443,8 +474,16 @@ class EngineCore:
 
     def _resolve(self, step: LaunchedStep) -> list[Request]:
         """Read a launched step's tokens back and apply them to its requests."""
-        tokens = dict(zip(step.sampled, step.token_values()))
-        logprobs = dict(zip(step.sampled, step.logprobs))
+        if step.emitted is not None:
+            # Speculative: each request emits its accepted drafts and one more token.
+            tokens = dict(zip(step.sampled, step.emitted))
+            logprobs = dict(zip(step.sampled, step.emitted_logprobs))
+            for drafts, emitted in zip(step.drafts, step.emitted):
+                if drafts:
+                    self.spec_stats.record(len(drafts), len(emitted) - 1)
+        else:
+            tokens = {r: [t] for r, t in zip(step.sampled, step.token_values())}
+            logprobs = {r: [lp] for r, lp in zip(step.sampled, step.logprobs)}
         changed = []
         for item, start in zip(step.scheduled, step.starts):
             request = item.request
@@ -461,13 +500,21 @@ class EngineCore:
             if request not in tokens:
                 self.kv_cache.on_computed(request)
                 continue
-            token = tokens[request]
-            if request.grammar is not None:
-                request.grammar.accept_token(token)
-            request.append_token(token, logprobs[request])
+            reason = None
+            for token, token_logprobs in zip(tokens[request], logprobs[request]):
+                if request.grammar is not None:
+                    request.grammar.accept_token(token)
+                request.append_token(token, token_logprobs)
+                reason = request.check_stop(self.max_model_len)
+                if reason is not None:
+                    break  # a stop inside an accepted span: the tokens after it are dropped
+            if request.spec_token_ids:
+                # The step computed every draft's K/V; only the tokens kept are valid (the
+                # rest is overwritten by later steps and never registered).
+                request.num_computed_tokens = request.num_tokens - 1
+                request.spec_token_ids = []
             # After the append: the step launched since may already count this token computed.
             self.kv_cache.on_computed(request)
-            reason = request.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED, reason)
                 self._forget_if_done(request.group_id)

@@ -70,6 +70,10 @@ class Request:
     num_pending_tokens: int = 0
     # A pending token ends the request by length whatever its value: nothing to schedule.
     final_token_pending: bool = False
+    # Speculative decoding: draft tokens proposed for the positions after the known ones,
+    # verified by the next step (never with a pending token: speculation reads each step
+    # back before the next).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -77,10 +81,15 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without copying the whole sequence (a
         step reads a few tokens of sequences that can be a million long). A pending token
-        reads as 0: the runner fills its value in on the device."""
+        reads as 0: the runner fills its value in on the device; positions past the known
+        tokens read as the request's drafts (`spec_token_ids`)."""
         known = self.num_tokens - self.num_pending_tokens
         if end > known:
-            return self.token_ids(start, known) + [0] * (end - max(start, known))
+            # Past the known tokens: this step's drafts, then pending tokens as 0.
+            first = max(start, known)
+            drafts = self.spec_token_ids[first - known:end - known]
+            head = self.token_ids(start, known) if start < known else []
+            return head + drafts + [0] * (end - first - len(drafts))
         prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
         if end <= num_prompt:
             return prompt[start:end]

@@ -13,6 +13,7 @@ from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
+from muse.speculative.sampling import sample_with_drafts
 from muse.model.decoder import EngineModel
 
 
@@ -30,6 +31,11 @@ class LaunchedStep:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # request_id -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding: each sampled request's drafts verified by this step, and (read
+    # back at once) the tokens it emits: the accepted drafts and one more, with logprobs.
+    drafts: list[list[int]] = field(default_factory=list)
+    emitted: list[list[int]] | None = None
+    emitted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
     def token_values(self) -> list[int]:
         return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
@@ -77,6 +83,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.grammar_compiler = None  # set by the engine once a request is constrained
+        self.rejection_sample_method = "token"  # how drafts are verified (speculation)
         # With several ranks, what each step sends them (they mirror the requests).
         self.step_encoder = None
         if executor.has_other_ranks:
@@ -126,8 +133,12 @@ class ModelRunner:
                                               len(prepared.logits_rows),
                                               request.params.prompt_logprobs))
                 prepared.logits_rows.extend(range(offset, offset + stop - start))
-            if end == request.num_tokens:
-                sample_index.append(offset + item.num_new_tokens - 1)
+            drafts = request.spec_token_ids
+            if end == request.num_tokens + len(drafts):
+                # The last known token's row and each draft's (all verified, one sample).
+                last = offset + item.num_new_tokens - 1
+                sample_index.extend(range(last - len(drafts), last + 1))
+                prepared.step.drafts.append(list(drafts))
                 prepared.step.sampled.append(request)
                 prepared.sample_rows.append(SamplingRow(
                     request.params, request.prompt_token_ids, request.output_token_ids,
@@ -150,7 +161,11 @@ class ModelRunner:
         for request_id, targets, row, num_top in prepared.prompt_spans:
             step.prompt_logprobs[request_id] = prompt_logprobs(
                 logits[row:row + len(targets)], to_device(targets, self.device), num_top)
-        if prepared.sample_rows:
+        if any(step.drafts):
+            step.emitted, step.emitted_logprobs = sample_with_drafts(
+                logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
+                self.rejection_sample_method)
+        elif prepared.sample_rows:
             step.tokens, step.logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
             step.tokens_on_host = HostCopy(step.tokens)

@@ -140,10 +140,16 @@ def _exponential_noise(rows: list[SamplingRow], shape: tuple[int, int],
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int,
               row: int) -> TokenLogprobs:
-    chosen = raw_logprobs[row, tokens[row]]
-    rank = int((raw_logprobs[row] > chosen).sum()) + 1
-    top_values, top_ids = raw_logprobs[row].topk(num_top)
-    return TokenLogprobs(int(tokens[row]), float(chosen), rank,
+    return token_logprobs(raw_logprobs[row], int(tokens[row]), num_top)
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
+    """The logprob and rank of `token` in one position's log-softmax [vocab], and the top
+    `num_top` alternatives."""
+    chosen = raw_logprobs[token]
+    rank = int((raw_logprobs > chosen).sum()) + 1
+    top_values, top_ids = raw_logprobs.topk(num_top)
+    return TokenLogprobs(token, float(chosen), rank,
                          list(zip(top_ids.tolist(), top_values.tolist())))
 
 

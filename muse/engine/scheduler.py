@@ -66,6 +66,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.add(request, front=True)
@@ -79,7 +80,10 @@ class Scheduler:
             if request.final_token_pending:
                 index += 1  # it ends when the step in flight is read back
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            known = request.num_tokens - request.num_computed_tokens
+            num_new = min(known + len(request.spec_token_ids), budget)
+            # Drafts that do not fit in the budget are dropped (a shorter draft).
+            del request.spec_token_ids[max(num_new - known, 0):]
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -32,7 +32,12 @@ STATS_INTERVAL_S = 0.2
 def engine_stats(engine: Engine) -> EngineStats:
     """Summed over the data-parallel ranks (KV usage: their mean)."""
     replicas = engine.replicas
-    return EngineStats(
+    spec = replicas[0].spec_stats  # speculation runs on one rank
+    speculative = {} if spec is None else dict(
+        spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_position=list(spec.accepted_per_position))
+    return EngineStats(**speculative,
         running=sum(len(r.scheduler.running) for r in replicas),
         waiting=sum(len(r.scheduler.waiting) for r in replicas),
         kv_usage=sum(r.kv_cache.usage() for r in replicas) / len(replicas),

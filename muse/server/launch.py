@@ -121,6 +121,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="uni: one process; mp: a process per rank on this host; ray: ranks as Ray actors "
              "across the nodes of a Ray cluster (muse[ray]) (default: mp when more than one "
              "rank, else uni)")
+    add("--speculative-config", default=None,
+        help="speculative decoding as JSON, vLLM's names, e.g. '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 5}' (default: off)")
     add("--attention-backend", default="auto",
         help="attention kernels by name: torch or triton (default: %(default)s: triton on "
              "CUDA)")
@@ -178,7 +181,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         data_parallel_size=args.data_parallel_size,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        attention_backend=args.attention_backend, moe_backend=args.moe_backend)
+        attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        speculative_config=args.speculative_config)
 
 
 def build_from_args(args: argparse.Namespace, on_engine_death=None):

@@ -51,6 +51,11 @@ class EngineStats(msgspec.Struct, tag=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (muse.speculative.metrics), summed since start; empty without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -69,6 +69,17 @@ class ServerMetrics:
                                    ).labels(model_name)
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted"
                                    ).labels(model_name)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Drafts verified (one per request and step)"
+                                   ).labels(model_name)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified").labels(model_name)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted").labels(model_name)
+        self.spec_accepted_per_position = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position (0-based) was accepted",
+            ["model_name", "position"])
         self._last = EngineStats()
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -80,9 +91,17 @@ class ServerMetrics:
         for counter, now, before in (
                 (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
-                (self.preemptions, stats.num_preemptions, last.num_preemptions)):
-            # A restarted engine counts from zero again.
-            counter.inc(now - before if now >= before else now)
+                (self.preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.spec_drafts, stats.spec_num_drafts, last.spec_num_drafts),
+                (self.spec_draft_tokens, stats.spec_num_draft_tokens,
+                 last.spec_num_draft_tokens),
+                (self.spec_accepted, stats.spec_num_accepted_tokens,
+                 last.spec_num_accepted_tokens)):
+            _advance(counter, now, before)
+        previous = last.spec_accepted_per_position
+        for position, now in enumerate(stats.spec_accepted_per_position):
+            _advance(self.spec_accepted_per_position.labels(self.model_name, str(position)),
+                     now, previous[position] if position < len(previous) else 0)
         self._last = stats
 
     def sample_finished(self, reason: str) -> None:
@@ -90,3 +109,8 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _advance(counter: Counter, now: int, before: int) -> None:
+    """Move a counter to an engine's running sum (a restarted engine counts from zero)."""
+    counter.inc(now - before if now >= before else now)

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed cheaply, verified losslessly by the target."""

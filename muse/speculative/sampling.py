@@ -1,0 +1,94 @@
+"""A step's tokens for requests that brought drafts: the target's distributions at every draft
+position, then lossless verification.
+
+Request r with drafts x_1..x_g has g + 1 logits rows (its last known token and each draft).
+Row i is processed exactly as plain decoding would process it after x_1..x_i were sampled:
+logit bias, min_tokens, penalties (which count the drafts as output), temperature, top-k,
+top-p, min-p. That gives p_1..p_{g+1}; greedy requests keep the longest prefix equal to the
+argmax, the others are verified token-wise or by block verification (`rejection_sample_method`)
+with the request's own generator for the noise, so a seeded request reproduces. Drafts of
+model-free speculators are one-hot (q = None). The logprobs of emitted tokens are the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from muse.engine.request import TokenLogprobs
+from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_processing,
+                                 filtered_probabilities, token_logprobs)
+from muse.speculative.verification import verify_block, verify_greedy, verify_tokenwise
+
+
+def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                       rejection_sample_method: str = "token"
+                       ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+    """`logits` holds, request after request, the g_r + 1 rows of each request's step.
+    Returns each request's emitted tokens (its t accepted drafts, then one more) and their
+    logprobs (None where not asked for)."""
+    device = logits.device
+    expanded = [replace(row, output_token_ids=row.output_token_ids + draft[:i])
+                for row, draft in zip(rows, drafts) for i in range(len(draft) + 1)]
+    processed = apply_logit_processing(logits, expanded)
+    starts = [0]
+    for draft in drafts:
+        starts.append(starts[-1] + len(draft) + 1)
+    width = max(len(d) for d in drafts)
+    num_requests, vocab = len(rows), logits.shape[1]
+    index = torch.tensor([[min(s + i, e - 1) for i in range(width + 1)]
+                          for s, e in zip(starts, starts[1:])], device=device)
+    draft_tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], device=device)
+    num_drafts = torch.tensor([len(d) for d in drafts], device=device)
+
+    greedy = [row.params.greedy for row in rows]
+    accepted = torch.zeros(num_requests, dtype=torch.long, device=device)
+    outputs = torch.zeros(num_requests, width + 1, dtype=torch.long, device=device)
+    if any(greedy):
+        t, out = verify_greedy(processed[index], draft_tokens, num_drafts)
+        mask = torch.tensor(greedy, device=device)
+        accepted = torch.where(mask, t, accepted)
+        outputs = torch.where(mask[:, None], out, outputs)
+    if not all(greedy):
+        probs = filtered_probabilities(processed,
+                                       RowParameters.from_rows(expanded, vocab, device))
+        uniforms, exponentials = _noise(rows, width, vocab, device)
+        verify = verify_block if rejection_sample_method == "block" else verify_tokenwise
+        t, out = verify(probs[index], draft_tokens, num_drafts, None, uniforms, exponentials)
+        mask = ~torch.tensor(greedy, device=device)
+        accepted = torch.where(mask, t, accepted)
+        outputs = torch.where(mask[:, None], out, outputs)
+
+    counts, tokens = accepted.tolist(), outputs.tolist()
+    emitted = [tokens[r][:counts[r] + 1] for r in range(num_requests)]
+    return emitted, _logprobs(logits, rows, starts, emitted)
+
+
+def _noise(rows: list[SamplingRow], width: int, vocab: int, device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tests' uniforms and the final token's exponentials, from each request's own
+    generator when it has one."""
+    uniforms = torch.rand(len(rows), width, device=device)
+    exponentials = torch.empty(len(rows), vocab, device=device).exponential_()
+    for r, row in enumerate(rows):
+        if row.generator is not None:
+            uniforms[r] = torch.rand(width, device=device, generator=row.generator)
+            exponentials[r].exponential_(generator=row.generator)
+    return uniforms, exponentials
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], starts: list[int],
+              emitted: list[list[int]]) -> list[list[TokenLogprobs | None]]:
+    result: list[list[Any]] = []
+    raw = None
+    for row, start, tokens in zip(rows, starts, emitted):
+        if row.params.logprobs is None:
+            result.append([None] * len(tokens))
+            continue
+        if raw is None:
+            raw = logits.log_softmax(dim=-1)
+        result.append([token_logprobs(raw[start + i], token, row.params.logprobs)
+                       for i, token in enumerate(tokens)])
+    return result
