@@ -28,8 +28,7 @@ from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.metrics import SpecDecodingStats
-from muse.speculative.ngram import WINDOW as NGRAM_WINDOW
-from muse.speculative.ngram import propose_ngram
+from muse.speculative.proposer import DrafterProposer, NgramProposer, make_proposer
 from muse.checkpoint.configs import load_config
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
@@ -94,6 +93,7 @@ class EngineCore:
         self.speculative = SpeculativeConfig.parse(args.speculative_config)
         self.spec_stats = SpecDecodingStats(self.speculative.num_speculative_tokens) \
             if self.speculative is not None else None
+        self.proposer: NgramProposer | DrafterProposer | None = None  # made with the model
         # With several ranks each step is read back before the next is built (the other
         # ranks get the step's token ids from the host), and runs eagerly. Speculation reads
         # each step back too: the next step's drafts start after the tokens it accepted.
@@ -117,6 +117,9 @@ class EngineCore:
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
         self.eos_token_ids = tuple(self.config.eos_token_ids)
+        if self.speculative is not None:
+            self.proposer = make_proposer(self.speculative, self.model, args, self.device,
+                                          self.dtype)
 
         # Per rank: each holds its share of the K/V heads and of the layers (a pipeline
         # stage's); every rank gets the block counts of the smallest rank budget, sized as if
@@ -276,7 +279,9 @@ class EngineCore:
     def _decode_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                        ) -> DecodeGraphs | None:
         """Captured decode graphs, on CUDA unless `enforce_eager`."""
-        if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
+        # With a drafter every step must capture the target's hidden states: eager for now.
+        if (self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1
+                or isinstance(self.proposer, DrafterProposer)):
             return None
         block_size = self.args.block_size
         widths = {kind: -(-self.max_model_len // block_size) for kind in self.num_blocks}
@@ -428,8 +433,10 @@ class EngineCore:
         """Drafts for every running request that decodes next: at most
         `num_speculative_tokens`, and never past `max_tokens` or `max_model_len`. Requests
         with a grammar decode plainly (their matcher cannot take tokens back)."""
-        spec = self.speculative
-        for request in self.scheduler.running:
+        spec, running = self.speculative, self.scheduler.running
+        self.proposer.retain({r.request_id for r in running})
+        ready, rooms = [], []
+        for request in running:
             if (request.grammar is not None or request.num_pending_tokens
                     or request.num_computed_tokens != request.num_tokens - 1):
                 continue
@@ -437,10 +444,10 @@ class EngineCore:
                        self.max_model_len - request.num_tokens - 1)
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
-            tail = request.token_ids(max(0, request.num_tokens - NGRAM_WINDOW),
-                                     request.num_tokens)
-            request.spec_token_ids = propose_ngram(tail, room, spec.prompt_lookup_min,
-                                                   spec.prompt_lookup_max)
+            ready.append(request)
+            rooms.append(room)
+        for request, (tokens, probs) in zip(ready, self.proposer.propose(ready, rooms)):
+            request.spec_token_ids, request.spec_token_probs = tokens, probs
 
     def plan_step(self) -> tuple[list[Request], PreparedStep | None]:
         """The first half of a step run together with other data-parallel ranks: this rank's
@@ -485,8 +492,12 @@ class EngineCore:
             tokens = {r: [t] for r, t in zip(step.sampled, step.token_values())}
             logprobs = {r: [lp] for r, lp in zip(step.sampled, step.logprobs)}
         changed = []
+        # (request, its first row in the step, rows committed): what a drafter learns from.
+        committed: list[tuple[Request, int, int]] = []
+        row = 0
         for item, start in zip(step.scheduled, step.starts):
             request = item.request
+            first_row, row = row, row + item.num_new_tokens
             if request.is_finished:
                 continue  # aborted, or ended by the step before while this one ran
             if request.request_id in step.prompt_logprobs:
@@ -499,6 +510,7 @@ class EngineCore:
                 request.prompt_logprobs.extend(entries[max(known, 0):])
             if request not in tokens:
                 self.kv_cache.on_computed(request)
+                committed.append((request, first_row, request.num_computed_tokens - start))
                 continue
             reason = None
             for token, token_logprobs in zip(tokens[request], logprobs[request]):
@@ -512,13 +524,16 @@ class EngineCore:
                 # The step computed every draft's K/V; only the tokens kept are valid (the
                 # rest is overwritten by later steps and never registered).
                 request.num_computed_tokens = request.num_tokens - 1
-                request.spec_token_ids = []
+                request.spec_token_ids, request.spec_token_probs = [], None
             # After the append: the step launched since may already count this token computed.
             self.kv_cache.on_computed(request)
+            committed.append((request, first_row, request.num_computed_tokens - start))
             if reason is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED, reason)
                 self._forget_if_done(request.group_id)
             changed.append(request)
+        if self.proposer is not None:
+            self.proposer.observe(committed, self.model.captured_hidden)
         return changed
 
     def finish_request(self, request: Request, reason: str) -> None:

@@ -74,6 +74,7 @@ class Request:
     # verified by the next step (never with a pending token: speculation reads each step
     # back before the next).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_probs: torch.Tensor | None = None  # [drafts, vocab] q; None: one-hot drafts
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -34,6 +34,7 @@ class LaunchedStep:
     # Speculative decoding: each sampled request's drafts verified by this step, and (read
     # back at once) the tokens it emits: the accepted drafts and one more, with logprobs.
     drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q, None: one-hot
     emitted: list[list[int]] | None = None
     emitted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
@@ -139,6 +140,7 @@ class ModelRunner:
                 last = offset + item.num_new_tokens - 1
                 sample_index.extend(range(last - len(drafts), last + 1))
                 prepared.step.drafts.append(list(drafts))
+                prepared.step.draft_probs.append(request.spec_token_probs)
                 prepared.step.sampled.append(request)
                 prepared.sample_rows.append(SamplingRow(
                     request.params, request.prompt_token_ids, request.output_token_ids,
@@ -164,7 +166,7 @@ class ModelRunner:
         if any(step.drafts):
             step.emitted, step.emitted_logprobs = sample_with_drafts(
                 logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
-                self.rejection_sample_method)
+                self.rejection_sample_method, step.draft_probs)
         elif prepared.sample_rows:
             step.tokens, step.logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)

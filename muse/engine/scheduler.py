@@ -66,7 +66,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
+        request.spec_token_ids, request.spec_token_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.add(request, front=True)
@@ -83,7 +83,10 @@ class Scheduler:
             known = request.num_tokens - request.num_computed_tokens
             num_new = min(known + len(request.spec_token_ids), budget)
             # Drafts that do not fit in the budget are dropped (a shorter draft).
-            del request.spec_token_ids[max(num_new - known, 0):]
+            kept = max(num_new - known, 0)
+            del request.spec_token_ids[kept:]
+            if request.spec_token_probs is not None:
+                request.spec_token_probs = request.spec_token_probs[:kept]
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -109,6 +109,10 @@ class EngineModel(nn.Module):
         self._rope = {kind: inverse_frequencies(config.rope_parameters[kind], config.head_dim)
                       for kind in LAYER_TYPES}
         self._rope_on_device: dict[torch.device, dict[str, tuple[torch.Tensor, float]]] = {}
+        # Speculative decoding with a drafter: the outputs of these layers (global indices)
+        # are kept, concatenated per token, in `captured_hidden` after each forward.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -162,8 +166,13 @@ class EngineModel(nn.Module):
             x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         rotary = self.rotary(meta.positions)
-        for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
+        captured = []
+        for (index, layer), kv_cache in zip(self.model.layers.items(), kv_caches):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
+            if int(index) in self.capture_layers:
+                captured.append(x + residual)  # the layer's output, as the reference's
+        if self.capture_layers:
+            self.captured_hidden = torch.cat(captured, dim=-1)
         if not self.is_last_stage:
             return x, residual
         if meta.context_parallel is not None:

@@ -3,11 +3,13 @@
     {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5, "rejection_sample_method": "token"}
 
-Methods the engine runs today: `ngram` (prompt lookup: drafts copied from where the latest
-tokens occurred before in the prompt or the output). Drafts of model-free methods are one-hot,
-so token-wise and block verification accept the same tokens there. The drafter methods
-(`dflash`, `dspark`) are recognised and refused with a clear error until the engine runs a
-drafter model.
+Methods the engine runs: `ngram` (prompt lookup: drafts copied from where the latest tokens
+occurred before in the prompt or the output) and the block-diffusion drafters `dflash` and
+`dspark` (`model`: the drafter's folder; `dspark` without one takes the target checkpoint's
+`drafter/`). Drafts of model-free methods and greedy drafts are one-hot, so token-wise and
+block verification accept the same tokens there; `draft_sample_method: "probabilistic"`
+samples a drafter's block at the request's temperature and verifies it against that q.
+`suffix` is recognised and refused until it is built.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "dflash", "dspark", "suffix")
-ENGINE_METHODS = ("ngram",)
+ENGINE_METHODS = ("ngram", "dflash", "dspark")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("token", "block")
 

@@ -24,11 +24,13 @@ from muse.speculative.verification import verify_block, verify_greedy, verify_to
 
 
 def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
-                       rejection_sample_method: str = "token"
+                       rejection_sample_method: str = "token",
+                       draft_probs: list[torch.Tensor | None] | None = None
                        ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
-    """`logits` holds, request after request, the g_r + 1 rows of each request's step.
-    Returns each request's emitted tokens (its t accepted drafts, then one more) and their
-    logprobs (None where not asked for)."""
+    """`logits` holds, request after request, the g_r + 1 rows of each request's step;
+    `draft_probs[r]` [g_r, vocab] is the distribution request r's drafts were drawn from
+    (None: one-hot). Returns each request's emitted tokens (its t accepted drafts, then one
+    more) and their logprobs (None where not asked for)."""
     device = logits.device
     expanded = [replace(row, output_token_ids=row.output_token_ids + draft[:i])
                 for row, draft in zip(rows, drafts) for i in range(len(draft) + 1)]
@@ -56,7 +58,8 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
                                        RowParameters.from_rows(expanded, vocab, device))
         uniforms, exponentials = _noise(rows, width, vocab, device)
         verify = verify_block if rejection_sample_method == "block" else verify_tokenwise
-        t, out = verify(probs[index], draft_tokens, num_drafts, None, uniforms, exponentials)
+        q = _draft_distributions(draft_probs, drafts, width, vocab, device)
+        t, out = verify(probs[index], draft_tokens, num_drafts, q, uniforms, exponentials)
         mask = ~torch.tensor(greedy, device=device)
         accepted = torch.where(mask, t, accepted)
         outputs = torch.where(mask[:, None], out, outputs)
@@ -64,6 +67,22 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     counts, tokens = accepted.tolist(), outputs.tolist()
     emitted = [tokens[r][:counts[r] + 1] for r in range(num_requests)]
     return emitted, _logprobs(logits, rows, starts, emitted)
+
+
+def _draft_distributions(draft_probs: list[torch.Tensor | None] | None,
+                         drafts: list[list[int]], width: int, vocab: int,
+                         device: torch.device) -> torch.Tensor | None:
+    """q [R, G, V]: the given distributions, one-hot rows for drafts without one; None when
+    every draft is one-hot (verification then needs no q at all)."""
+    if draft_probs is None or all(q is None for q in draft_probs):
+        return None
+    q = torch.zeros(len(drafts), width, vocab, device=device)
+    for r, (probs, draft) in enumerate(zip(draft_probs, drafts)):
+        if probs is not None:
+            q[r, :len(draft)] = probs[:len(draft)].to(device, torch.float32)
+        elif draft:
+            q[r, torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+    return q
 
 
 def _noise(rows: list[SamplingRow], width: int, vocab: int, device: torch.device

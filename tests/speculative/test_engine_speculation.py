@@ -99,7 +99,7 @@ def test_stops_inside_an_accepted_span(plain_and_speculative, monkeypatch, field
             done = len(tail) - len(prompt)
             return oracle_tokens[done:done + num_drafts]
 
-        monkeypatch.setattr("muse.engine.engine.propose_ngram", oracle)
+        monkeypatch.setattr("muse.speculative.proposer.propose_ngram", oracle)
         stats = speculative.engine.spec_stats
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         got = speculative.generate([prompt], params)
