@@ -211,10 +211,11 @@ def test_reads_only_its_slice(monkeypatch: pytest.MonkeyPatch, tmp_path,
 
 
 def test_errors_name_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    use_parallel(monkeypatch, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+    use_parallel(monkeypatch, ParallelConfig(tensor_parallel_size=2,
+                                             prefill_context_parallel_size=2,
                                              enable_expert_parallel=True), 0)
-    with pytest.raises(ValueError, match="data_parallel_size and prefill_context_parallel_size "
-                                         "must be 1 with enable_expert_parallel, got 2 and 1"):
+    with pytest.raises(ValueError, match="expert parallelism with prefill context parallelism "
+                                         "is not supported"):
         FusedMoE(8, 16, 8)
     use_parallel(monkeypatch, ParallelConfig(tensor_parallel_size=3,
                                              enable_expert_parallel=True), 0)
