@@ -267,16 +267,11 @@ class MuseSparkConfig:
         )
 
     def save(self, directory: str | Path) -> None:
-        path = Path(directory) / "config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config_json(directory, self.to_dict())
 
     @classmethod
     def load(cls, directory: str | Path) -> MuseSparkConfig:
-        path = Path(directory) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json in {directory}")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(directory))
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
@@ -293,3 +288,21 @@ def default_layer_types(num_layers: int, period: int = 4) -> list[str]:
     """The Muse pattern: global where `i % period == period - 1`, and the last layer global."""
     return [FULL if i % period == period - 1 or i == num_layers - 1 else SLIDING
             for i in range(num_layers)]
+
+
+def write_config_json(directory: str | Path, data: dict) -> None:
+    """`directory/config.json`, the folder made if needed."""
+    path = Path(directory) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """The parsed `directory/config.json`; a `ConfigError` when missing or not JSON."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json in {directory}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None

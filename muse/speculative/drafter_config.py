@@ -8,14 +8,14 @@ Every field is validated on construction; a bad value raises `ConfigError` namin
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from muse.config import FULL, LAYER_TYPES, SLIDING, ConfigError, RopeParameters, TextConfig
+from muse.config import (FULL, LAYER_TYPES, SLIDING, ConfigError, RopeParameters, TextConfig,
+                         read_config_json, write_config_json)
 
 DRAFTER_MODEL_TYPE = "muse_drafter"
 DRAFTER_ARCHITECTURE = "MuseDrafter"
@@ -233,17 +233,8 @@ class DrafterConfig:
             raise ConfigError(f"drafter config.json: {error}") from None
 
     def save(self, directory: str | Path) -> None:
-        path = Path(directory) / "config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config_json(directory, self.to_dict())
 
     @classmethod
     def load(cls, directory: str | Path) -> DrafterConfig:
-        path = Path(directory) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json in drafter directory {directory}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} is not valid JSON: {error}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(directory))
