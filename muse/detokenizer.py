@@ -17,6 +17,9 @@ REPLACEMENT_CHAR = "\ufffd"
 class DetokenizedDelta:
     text: str  # newly released text
     stop: str | None = None  # the stop string met, if any (generation must end)
+    # With a stop string: how many of the new tokens it took to meet it (the rest, which a
+    # speculative step may have produced in the same update, are not part of the output).
+    num_tokens: int | None = None
 
 
 class IncrementalDetokenizer:
@@ -46,6 +49,18 @@ class IncrementalDetokenizer:
         """Feed new tokens; `drop_last` leaves a final stop token out of the text."""
         if self.stopped:
             return DetokenizedDelta("")
+        if self.params.stop and len(new_token_ids) > 1:
+            # Several tokens at once (speculative decoding): one at a time, so a stop string
+            # ends the output at the token that completes it, as in plain decoding.
+            pieces = []
+            for index, token in enumerate(new_token_ids):
+                last = index == len(new_token_ids) - 1
+                delta = self.update([token], finished=finished and last,
+                                    drop_last=drop_last and last)
+                pieces.append(delta.text)
+                if delta.stop is not None:
+                    return DetokenizedDelta("".join(pieces), delta.stop, index + 1)
+            return DetokenizedDelta("".join(pieces))
         self.num_tokens_seen += len(new_token_ids)
         ids = new_token_ids[:-1] if drop_last else new_token_ids
         for token in ids:
@@ -65,7 +80,7 @@ class IncrementalDetokenizer:
         stop = self._find_stop()
         if stop is not None:
             self.stopped = True
-            return DetokenizedDelta(self._release(len(self.text)), stop)
+            return DetokenizedDelta(self._release(len(self.text)), stop, len(new_token_ids))
         end = len(self.text) if finished else max(self.released, len(self.text) - self.hold_back)
         return DetokenizedDelta(self._release(end))
 

@@ -86,9 +86,10 @@ class LLM:
                                        drop_last=stopped_by_token)
             if delta.stop is not None:
                 stop_reason, finish_reason = delta.stop, "stop"
-                if not request.is_finished:
-                    # A stop string ends this sample as if it were a stop token.
-                    self.engine.finish_request(request, "stop")
+                # A stop string ends this sample as if it were a stop token, at the token
+                # that completed it (a speculative step may have made more after it).
+                self.engine.finish_request(request, "stop", len(request.output_token_ids)
+                                           - len(new) + delta.num_tokens)
             # Only released text: the held-back tail may still turn out to start a stop
             # string, so partial outputs are always a prefix of the final text.
             text = detokenizer.text[:detokenizer.released]

@@ -55,8 +55,9 @@ class DataParallelEngine:
         if replica is not None:
             replica.abort(request_id)
 
-    def finish_request(self, request: Request, reason: str) -> None:
-        self.owner[request.group_id].finish_request(request, reason)
+    def finish_request(self, request: Request, reason: str,
+                       num_output_tokens: int | None = None) -> None:
+        self.owner[request.group_id].finish_request(request, reason, num_output_tokens)
         self._forget_finished([request])
 
     def has_unfinished(self) -> bool:

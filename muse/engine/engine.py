@@ -16,6 +16,7 @@ from muse.engine.args import EngineArgs
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
 from muse.engine.kv_budget import block_bytes, split_blocks
+from muse.engine.metadata import HostBatch
 from muse.engine.rank_memory import shared_kv_budget
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.request import Request, RequestStatus
@@ -28,7 +29,9 @@ from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.metrics import SpecDecodingStats
-from muse.speculative.proposer import DrafterProposer, NgramProposer, make_proposer
+from muse.speculative.adaptive import (AcceptanceTracker, StepCostModel, choose_draft_lengths,
+                                      survival)
+from muse.speculative.proposer import DrafterProposer, Drafts, NgramProposer, make_proposer
 from muse.checkpoint.configs import load_config
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
@@ -94,6 +97,11 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats(self.speculative.num_speculative_tokens) \
             if self.speculative is not None else None
         self.proposer: NgramProposer | DrafterProposer | None = None  # made with the model
+        # Adaptive verification: the step-cost curve (profiled once the model runs) and the
+        # acceptance seen per draft position.
+        self.verification_cost: StepCostModel | None = None
+        self.acceptance = AcceptanceTracker(self.speculative.num_speculative_tokens) \
+            if self.speculative is not None else None
         # With several ranks each step is read back before the next is built (the other
         # ranks get the step's token ids from the host), and runs eagerly. Speculation reads
         # each step back too: the next step's drafts start after the tokens it accepted.
@@ -150,6 +158,8 @@ class EngineCore:
         else:
             self.executor = UniExecutor(worker)
         self._init_scheduling()
+        if self.speculative is not None and self.speculative.enable_adaptive_verification:
+            self.verification_cost = self._profile_verification()
         sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
         logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
@@ -446,8 +456,51 @@ class EngineCore:
                 room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
             ready.append(request)
             rooms.append(room)
-        for request, (tokens, probs) in zip(ready, self.proposer.propose(ready, rooms)):
-            request.spec_token_ids, request.spec_token_probs = tokens, probs
+        proposals = self.proposer.propose(ready, rooms)
+        if self.verification_cost is not None:
+            proposals = self._adapt_drafts(ready, proposals)
+        for request, drafts in zip(ready, proposals):
+            request.spec_token_ids, request.spec_token_probs = drafts.tokens, drafts.probs
+
+    def _adapt_drafts(self, ready: list[Request], proposals: list[Drafts]) -> list[Drafts]:
+        """Adaptive verification: verify of each request only the drafts worth their cost.
+        Each draft's chance to survive comes from the drafter (its confidence head, else its
+        own probability of a sampled draft) or from the acceptance seen so far; the step-cost
+        curve profiled at start-up prices the tokens. Only draft-side information decides,
+        so the output stays lossless: a trimmed draft is a shorter draft."""
+        rows = []
+        for drafts in proposals:
+            if drafts.confidence is not None:
+                rows.append(survival(drafts.confidence))
+            elif drafts.probs is not None:
+                picked = drafts.probs[torch.arange(len(drafts.tokens)),
+                                      torch.tensor(drafts.tokens)]
+                rows.append(survival(picked))
+            else:
+                rows.append(self.acceptance.survival(len(drafts.tokens)))
+        # What the step runs anyway: every running request's known tokens not yet computed.
+        base = min(sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running),
+                   self.args.max_num_batched_tokens)
+        lengths = choose_draft_lengths(rows, base, self.verification_cost)
+        return [Drafts(d.tokens[:k], d.probs[:k] if d.probs is not None else None)
+                for d, k in zip(proposals, lengths)]
+
+    def _profile_verification(self) -> StepCostModel:
+        """The time of a step by its number of tokens, from 1 to the most a step of drafts
+        can hold, measured once (one request of n tokens over the null block)."""
+        most = min(self.args.max_num_batched_tokens,
+                   self.args.max_num_seqs * (1 + self.speculative.num_speculative_tokens))
+        counts = sorted({min(2 ** i, most) for i in range(most.bit_length() + 1)})
+        kinds = list(self.num_blocks)
+        worker = self.executor.worker
+        synchronize = torch.cuda.synchronize if self.device.type == "cuda" else None
+
+        def run_step(tokens: int) -> None:
+            worker.execute(HostBatch.dummy(kinds, tokens, self.args.block_size), [tokens - 1])
+
+        cost = StepCostModel.profile(run_step, counts, repeats=3, synchronize=synchronize)
+        logger.info("speculative step cost: %s", cost)
+        return cost
 
     def plan_step(self) -> tuple[list[Request], PreparedStep | None]:
         """The first half of a step run together with other data-parallel ranks: this rank's
@@ -488,6 +541,7 @@ class EngineCore:
             for drafts, emitted in zip(step.drafts, step.emitted):
                 if drafts:
                     self.spec_stats.record(len(drafts), len(emitted) - 1)
+                    self.acceptance.record(len(drafts), len(emitted) - 1)
         else:
             tokens = {r: [t] for r, t in zip(step.sampled, step.token_values())}
             logprobs = {r: [lp] for r, lp in zip(step.sampled, step.logprobs)}
@@ -536,8 +590,12 @@ class EngineCore:
             self.proposer.observe(committed, self.model.captured_hidden)
         return changed
 
-    def finish_request(self, request: Request, reason: str) -> None:
-        """End one sample early (a stop string met by the front end)."""
+    def finish_request(self, request: Request, reason: str,
+                       num_output_tokens: int | None = None) -> None:
+        """End one sample early (a stop string met by the front end), keeping its first
+        `num_output_tokens` output tokens when given."""
+        if num_output_tokens is not None:
+            request.truncate_output(num_output_tokens)
         if not request.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED, reason)
             self._forget_if_done(request.group_id)

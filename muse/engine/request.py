@@ -139,6 +139,15 @@ class Request:
             self.output_logprobs.append(logprobs)
             self.cumulative_logprob += logprobs.logprob
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first `num_output_tokens` output tokens (a stop string met earlier)."""
+        if num_output_tokens >= len(self.output_token_ids):
+            return
+        del self.output_token_ids[num_output_tokens:]
+        if self.output_logprobs:
+            del self.output_logprobs[num_output_tokens:]
+            self.cumulative_logprob = sum(lp.logprob for lp in self.output_logprobs)
+
     def check_stop(self, max_model_len: int) -> str | None:
         """The finish reason after the latest token read back, or None to keep going."""
         last = self.output_token_ids[-1]

@@ -74,15 +74,18 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
             detokenizer = detokenizers[delta.index]
             text = detokenizer.update(delta.token_ids, finished=finish is not None,
                                       drop_last=finish == "stop")
+            token_ids, logprobs = delta.token_ids, delta.logprobs or []
             if text.stop is not None:
                 finish, stop_reason = "stop", text.stop
-            state.num_output_tokens += len(delta.token_ids)
+                # Tokens after the one that completed the stop string are not output.
+                token_ids, logprobs = token_ids[:text.num_tokens], logprobs[:text.num_tokens]
+            state.num_output_tokens += len(token_ids)
             state.texts[delta.index] = detokenizer.text
             if finish is not None:
                 unfinished.discard(delta.index)
                 metrics.sample_finished(finish)
-            yield SampleUpdate(delta.index, text.text, delta.token_ids, delta.logprobs or [],
-                               finish, stop_reason)
+            yield SampleUpdate(delta.index, text.text, token_ids, logprobs, finish,
+                               stop_reason)
             if not unfinished:
                 status = "finished"
                 break

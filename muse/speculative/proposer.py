@@ -10,6 +10,7 @@ target hidden state is computed by the step that verifies the block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -21,7 +22,14 @@ from muse.speculative.config import SpeculativeConfig
 from muse.speculative.drafter import ContextCache, MuseDrafter, load_drafter
 from muse.speculative.ngram import WINDOW, propose_ngram
 
-Drafts = tuple[list[int], torch.Tensor | None]
+class Drafts(NamedTuple):
+    """One request's drafts: the tokens, the distribution q they were drawn from (None:
+    one-hot) and, from a drafter with a confidence head, each draft's predicted chance of
+    being accepted given the ones before it."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
 
 class NgramProposer:
@@ -30,8 +38,8 @@ class NgramProposer:
 
     def propose(self, requests: list[Request], rooms: list[int]) -> list[Drafts]:
         config = self.config
-        return [(propose_ngram(r.token_ids(max(0, r.num_tokens - WINDOW), r.num_tokens), room,
-                               config.prompt_lookup_min, config.prompt_lookup_max), None)
+        return [Drafts(propose_ngram(r.token_ids(max(0, r.num_tokens - WINDOW), r.num_tokens),
+                                     room, config.prompt_lookup_min, config.prompt_lookup_max))
                 for r, room in zip(requests, rooms)]
 
     def observe(self, committed: list[tuple[Request, int, int]],
@@ -95,7 +103,7 @@ class DrafterProposer:
         for group in sampled_alone + ([together] if together else []):
             proposals.update(self._propose(group, group[0][0].generator
                                            if len(group) == 1 else None))
-        return [proposals.get(r.request_id, ([], None)) for r in requests]
+        return [proposals.get(r.request_id, Drafts([])) for r in requests]
 
     def _propose(self, active: list[tuple[Request, int]],
                  generator: torch.Generator | None) -> dict[str, Drafts]:
@@ -119,9 +127,12 @@ class DrafterProposer:
         for context in contexts:
             context.pending.clear()
         tokens = proposal.tokens.tolist()
-        return {request.request_id: (tokens[index][:room], proposal.probs[index, :room]
-                                     if temperatures[index] > 0 else None)
-                for index, (request, room) in enumerate(active)}
+        confidence = proposal.confidence.tolist() if proposal.confidence is not None else None
+        return {request.request_id: Drafts(
+            tokens[index][:room],
+            proposal.probs[index, :room] if temperatures[index] > 0 else None,
+            confidence[index][:room] if confidence is not None else None)
+            for index, (request, room) in enumerate(active)}
 
     def _draft_temperature(self, request: Request) -> float:
         """Greedy drafts unless `draft_sample_method` is probabilistic and the request samples

@@ -41,9 +41,15 @@ def test_replies_equal_the_plain_server_and_counters_move(servers):
     replies = []
     for server in (plain, speculative):
         with server.client() as client:
-            reply = client.completions.create(model=client.models.list().data[0].id,
-                                              prompt=PROMPT, max_tokens=24, temperature=0.0)
-            replies.append((reply.choices[0].text, reply.usage.completion_tokens))
+            model = client.models.list().data[0].id
+            reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
+                                              temperature=0.0)
+            # A stop string from the middle of the reply ends both at the same token.
+            words = reply.choices[0].text.split()
+            stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
+                                                temperature=0.0, stop=[words[len(words) // 2]])
+            replies.append([(r.choices[0].text, r.choices[0].finish_reason,
+                             r.usage.completion_tokens) for r in (reply, stopped)])
     assert replies[0] == replies[1]
     # Engine totals reach the front end a few times a second.
     deadline = time.monotonic() + 10

@@ -159,3 +159,57 @@ def test_bad_speculative_configs_are_refused():
             engine(speculative_config=config)
     with pytest.raises(ValueError, match="one rank"):
         engine(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_a_stop_string_inside_an_accepted_span_ends_the_output_there(plain_and_speculative,
+                                                                       monkeypatch):
+    """Text stop strings are met by the front end after a step: the tokens a speculative
+    step produced after the one completing the stop string are dropped, as if decoding had
+    gone one token at a time."""
+    plain, speculative = plain_and_speculative
+    tokenizer = plain.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # With oracle drafts, steps emit tokens 0, 1-5, 6-10, ... (4 drafts and one more). A
+    # prompt whose greedy output has a token with new text inside such a span (not at its
+    # end): a stop string made of that text is met there.
+    for prompt in mixed_prompts(8192, 16, count=8, seed=11):
+        free = plain.generate([prompt], greedy)[0].outputs[0]
+        index = next((i for i in (6, 7, 8, 9, 11, 12, 13, 14)
+                      if tokenizer.decode(free.token_ids[i:i + 1]).strip()
+                      and tokenizer.decode(free.token_ids[i:i + 1])
+                      not in tokenizer.decode(free.token_ids[:i])), None)
+        if index is not None:
+            break
+    stop = tokenizer.decode(free.token_ids[index:index + 1])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop],
+                            logprobs=1)
+    want = plain.generate([prompt], params)
+    monkeypatch.setattr("muse.speculative.proposer.propose_ngram",
+                        lambda tail, n, lo, hi: free.token_ids[len(tail) - len(prompt):][:n])
+    got = speculative.generate([prompt], params)
+    assert_same_outputs(got, want)
+    assert len(got[0].outputs[0].token_ids) == index + 1
+    assert got[0].outputs[0].finish_reason == "stop"
+
+
+def test_adaptive_verification_keeps_outputs_and_follows_the_step_cost(plain_and_speculative):
+    from muse.speculative.adaptive import StepCostModel
+
+    plain, _ = plain_and_speculative
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = repetitive_prompts()[:4]
+    want = plain.generate(prompts, params)
+    adaptive = engine(speculative_config=NGRAM | {"enable_adaptive_verification": True})
+    try:
+        assert adaptive.engine.verification_cost is not None  # profiled at start-up
+        assert_same_outputs(adaptive.generate(prompts, params), want)
+        stats = adaptive.engine.spec_stats
+        # A step whose cost does not grow with its tokens verifies every draft; one whose
+        # cost grows steeply verifies none. Outputs stay plain decoding's either way.
+        for curve, verified in (([1.0, 1.0], True), ([1e-3, 1e3], False)):
+            adaptive.engine.verification_cost = StepCostModel([1, 4096], curve)
+            before = stats.num_draft_tokens
+            assert_same_outputs(adaptive.generate(prompts, params), want)
+            assert (stats.num_draft_tokens > before) == verified
+    finally:
+        adaptive.shutdown()
