@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, profile_step, throughput
+from benchmarks import latency, profile_step, spec_decode, throughput
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -166,3 +166,61 @@ def test_profile_step_runs_on_cpu(phase, tmp_path):
     (run,) = record["runs"]
     assert run["phase"] == phase and run["step_ms"] > 0 and run["kernels"]
     assert json.loads(out.read_text())["runs"][0]["context"] == 24
+
+
+def test_spec_decode_json(tmp_path):
+    """The shipped model with n-gram drafts (no drafter needed): acceptance per family and the
+    three speed modes; greedy speculation gives the plain engine's tokens."""
+    out = tmp_path / "spec.json"
+    k = 3
+    record = spec_decode.main([
+        "--device", "cpu", "--num-prompts", "1", "--max-tokens", "6", "--concurrency", "1,2",
+        "--repeats", "1", "--speculative-config",
+        json.dumps({"method": "ngram", "num_speculative_tokens": k}), "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "spec_decode"
+    assert "date" in record["environment"] and "git_commit" in record["environment"]
+    assert {"mean_acceptance_length", "per_position", "per_request_tok_s"} <= set(record["notes"])
+    assert record["engine_configs"]["adaptive"]["enable_adaptive_verification"]
+    assert record["engine_configs"]["sampled_block"]["rejection_sample_method"] == "block"
+    assert set(record["acceptance"]) == {"greedy", "sampled_token", "sampled_block"}
+    for setting, families in record["acceptance"].items():
+        assert set(families) == {"arithmetic", "tools", "instructions", "all"}
+        for family, row in families.items():
+            assert row["requests"] == (3 if family == "all" else 1)
+            assert len(row["per_position"]) == len(row["accepted_per_position"]) == k
+            if row["num_drafts"]:
+                assert 1 <= row["mean_acceptance_length"] <= 1 + k
+                assert row["mean_acceptance_length"] == pytest.approx(
+                    1 + row["num_accepted_tokens"] / row["num_drafts"])
+                assert row["per_position"][0] == pytest.approx(
+                    row["accepted_per_position"][0] / row["num_drafts"])
+                # Accepting position j needs every position before it.
+                assert row["per_position"] == sorted(row["per_position"], reverse=True)
+            if setting == "greedy":
+                assert row["equal_to_plain"] == row["requests"], row
+        total = families["all"]
+        assert total["num_drafts"] == sum(families[f]["num_drafts"]
+                                          for f in ("arithmetic", "tools", "instructions"))
+    assert [row["concurrency"] for row in record["speed"]] == [1, 2]
+    for row in record["speed"]:
+        c = row["concurrency"]
+        assert row["plain"]["speedup"] == pytest.approx(1.0)
+        for mode in ("plain", "speculative", "adaptive"):
+            figures = row[mode]
+            assert figures["output_tokens"] == 6 * c  # EOS ignored
+            assert positive(figures["output_tok_s"])
+            assert figures["per_request_tok_s"] == pytest.approx(figures["output_tok_s"] / c)
+            if mode != "plain":
+                assert positive(figures["speedup"]) and figures["equal_to_plain"] == c
+
+
+def test_spec_decode_needs_a_drafter_for_drafter_methods(tmp_path):
+    spec = spec_decode.SpeculativeConfig.parse({"method": "dspark"})
+    with pytest.raises(SystemExit, match="needs a drafter checkpoint"):
+        spec_decode.check_drafter(str(tmp_path), spec)
+    spec_decode.check_drafter(str(tmp_path), spec_decode.SpeculativeConfig.parse(
+        {"method": "ngram"}))
+    with pytest.raises(SystemExit):
+        spec_decode.parse_args(["--sections", "latency"])
+    with pytest.raises(SystemExit):
+        spec_decode.parse_args(["--speculative-config", '{"method": "ngram", "k": 3}'])
