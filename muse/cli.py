@@ -138,6 +138,12 @@ def cmd_train_pretrain(args: argparse.Namespace) -> None:
     run_from_args(args)
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from muse.train.drafter import run_from_args
+
+    run_from_args(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from muse.eval.run import run_from_args
 
@@ -273,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=DefaultsHelpFormatter)
     add_pretrain_arguments(pretrain)
     pretrain.set_defaults(func=cmd_train_pretrain)
+    from muse.train.drafter_options import add_arguments as add_drafter_arguments
+
+    drafter = train_sub.add_parser(
+        "drafter", help="train the block-diffusion drafter of a target model on its own "
+                        "answers; see docs/training.md", formatter_class=DefaultsHelpFormatter)
+    add_drafter_arguments(drafter)
+    drafter.set_defaults(func=cmd_train_drafter)
 
     evaluate = sub.add_parser("eval", help="score a model on held-out tasks (arithmetic, "
                                            "tool calls, instructions, Python)",
