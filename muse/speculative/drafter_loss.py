@@ -89,7 +89,10 @@ def drafter_loss(config: DrafterConfig, output: DrafterTrainOutput,
         if output.confidence is not None:
             # 1 - TV(q, p) = sum_v min(q, p): the chance a draft from q survives verification.
             accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-            bce = F.binary_cross_entropy(output.confidence.float(), accept, reduction="none")
+            # Outside autocast: binary cross-entropy of probabilities needs float32.
+            with torch.autocast(output.confidence.device.type, enabled=False):
+                bce = F.binary_cross_entropy(output.confidence.float(), accept,
+                                             reduction="none")
             loss.confidence_bce = weighted_mean(bce)
             loss.total = loss.total + CONFIDENCE_WEIGHT * loss.confidence_bce
     if output.selector_scores is not None:
