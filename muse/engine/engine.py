@@ -31,7 +31,8 @@ from muse.speculative.config import SpeculativeConfig
 from muse.speculative.metrics import SpecDecodingStats
 from muse.speculative.adaptive import (AcceptanceTracker, StepCostModel, choose_draft_lengths,
                                       survival)
-from muse.speculative.proposer import DrafterProposer, Drafts, NgramProposer, make_proposer
+from muse.speculative.proposer import (DrafterProposer, Drafts, NgramProposer, SuffixProposer,
+                                      make_proposer)
 from muse.checkpoint.configs import load_config
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
@@ -96,7 +97,7 @@ class EngineCore:
         self.speculative = SpeculativeConfig.parse(args.speculative_config)
         self.spec_stats = SpecDecodingStats(self.speculative.num_speculative_tokens) \
             if self.speculative is not None else None
-        self.proposer: NgramProposer | DrafterProposer | None = None  # made with the model
+        self.proposer: NgramProposer | SuffixProposer | DrafterProposer | None = None
         # Adaptive verification: the step-cost curve (profiled once the model runs) and the
         # acceptance seen per draft position.
         self.verification_cost: StepCostModel | None = None

@@ -56,7 +56,8 @@ class ModelWorker:
         rows = logits_rows[dp.rank_in_group]
         if dp.world_size > 1 and get_parallel_config().enable_expert_parallel:
             if batch is None:
-                batch, rows = HostBatch.dummy(list(dict.fromkeys(self.model.config.layer_types))), []
+                kinds = list(dict.fromkeys(self.model.config.layer_types))
+                batch, rows = HostBatch.dummy(kinds), []
             batch.dp_num_tokens = [count or 1 for count in num_tokens]
         logits = self.execute(batch, rows) if batch is not None else None
         if dp.world_size == 1:

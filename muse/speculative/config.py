@@ -3,13 +3,13 @@
     {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5, "rejection_sample_method": "token"}
 
-Methods the engine runs: `ngram` (prompt lookup: drafts copied from where the latest tokens
-occurred before in the prompt or the output) and the block-diffusion drafters `dflash` and
-`dspark` (`model`: the drafter's folder; `dspark` without one takes the target checkpoint's
-`drafter/`). Drafts of model-free methods and greedy drafts are one-hot, so token-wise and
-block verification accept the same tokens there; `draft_sample_method: "probabilistic"`
-samples a drafter's block at the request's temperature and verifies it against that q.
-`suffix` is recognised and refused until it is built.
+Methods: `ngram` (prompt lookup: drafts copied from where the latest tokens occurred before in
+the prompt or the output), `suffix` (suffix decoding over the request and earlier requests'
+outputs), and the block-diffusion drafters `dflash` and `dspark` (`model`: the drafter's
+folder; `dspark` without one takes the target checkpoint's `drafter/`). Drafts of model-free
+methods and greedy drafts are one-hot, so token-wise and block verification accept the same
+tokens there; `draft_sample_method: "probabilistic"` samples a drafter's block at the
+request's temperature and verifies it against that q.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "dflash", "dspark", "suffix")
-ENGINE_METHODS = ("ngram", "dflash", "dspark")
+ENGINE_METHODS = METHODS
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("token", "block")
 
@@ -34,6 +34,12 @@ class SpeculativeConfig:
     enable_adaptive_verification: bool = False
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # Suffix decoding (vLLM's names): the longest suffix matched, drafts up to this factor of
+    # the match length, stop below this probability, outputs of finished requests kept.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 1000
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None
@@ -81,6 +87,17 @@ class SpeculativeConfig:
         check("prompt_lookup_max", _positive_int(self.prompt_lookup_max)
               and self.prompt_lookup_max >= self.prompt_lookup_min,
               "a positive integer >= prompt_lookup_min")
+        check("suffix_decoding_max_tree_depth",
+              _positive_int(self.suffix_decoding_max_tree_depth), "a positive integer")
+        check("suffix_decoding_max_spec_factor",
+              isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+              and self.suffix_decoding_max_spec_factor > 0, "a positive number")
+        check("suffix_decoding_min_token_prob",
+              isinstance(self.suffix_decoding_min_token_prob, (int, float))
+              and 0 <= self.suffix_decoding_min_token_prob <= 1, "a number in [0, 1]")
+        check("suffix_decoding_max_cached_requests",
+              isinstance(self.suffix_decoding_max_cached_requests, int)
+              and self.suffix_decoding_max_cached_requests >= 0, "a non-negative integer")
         if self.method not in ENGINE_METHODS:
             raise ValueError(f"`speculative_config.method` {self.method!r} is not run by the "
                              f"engine yet; it runs {list(ENGINE_METHODS)}")

@@ -21,6 +21,7 @@ from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.drafter import ContextCache, MuseDrafter, load_drafter
 from muse.speculative.ngram import WINDOW, propose_ngram
+from muse.speculative.suffix import SuffixProposer
 
 class Drafts(NamedTuple):
     """One request's drafts: the tokens, the distribution q they were drawn from (None:
@@ -150,12 +151,14 @@ class DrafterProposer:
 
 def make_proposer(config: SpeculativeConfig, model: EngineModel, args: EngineArgs,
                   device: torch.device, dtype: torch.dtype
-                  ) -> NgramProposer | DrafterProposer:
+                  ) -> NgramProposer | SuffixProposer | DrafterProposer:
     """The proposer of `config.method`. A drafter (its folder is `config.model`, or for
     `dspark` without one the target checkpoint's `drafter/`) borrows the target's embedding
     and LM head, and the target keeps the hidden states of the drafter's layers."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     folder = Path(config.model) if config.model else Path(args.model) / "drafter"
     if not (folder / "config.json").is_file():
         raise ValueError(f"speculative method {config.method!r} needs a drafter checkpoint: "

@@ -213,3 +213,22 @@ def test_adaptive_verification_keeps_outputs_and_follows_the_step_cost(plain_and
             assert (stats.num_draft_tokens > before) == verified
     finally:
         adaptive.shutdown()
+
+
+def test_suffix_decoding_drafts_from_earlier_requests(plain_and_speculative):
+    """An agentic loop: the same request again. Suffix decoding drafts its answer from the
+    first run's output (kept once the request finished), so the second run accepts many
+    drafts; outputs equal plain decoding's."""
+    plain, _ = plain_and_speculative
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = mixed_prompts(8192, 16, count=1, seed=21)[0]
+    want = plain.generate([prompt], params)
+    suffix = engine(speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    try:
+        assert_same_outputs(suffix.generate([prompt], params), want)
+        stats = suffix.engine.spec_stats
+        before = stats.num_accepted_tokens
+        assert_same_outputs(suffix.generate([prompt], params), want)
+        assert stats.num_accepted_tokens - before >= 12
+    finally:
+        suffix.shutdown()
