@@ -10,8 +10,11 @@ Two ways to run it:
 - `propose`: inference for a batch of requests, each with a `ContextCache` of projected
   context rows that grows by the rows of newly committed tokens; the block's own K/V is never
   cached.
-- `forward`: training on one sequence, all anchors' blocks packed in one pass under a mask
-  where block j sees context rows before its anchor and its own rows, never another block.
+- `forward_batch`: training on a batch of right-padded sequences, all anchors' blocks in one
+  pass. Block j of sequence s sees the context rows of s before its anchor and its own rows,
+  never another block or sequence: its scores against s's context and against its own B rows
+  share one softmax, so the keys of one block row are s's L context rows plus B, not every
+  block of the batch. `forward` is the same on one sequence.
 
 Shapes: R requests, A anchors (blocks), B block size, G = B - 1 draft slots, L context rows,
 V vocabulary, d hidden size, K target features.
@@ -77,6 +80,86 @@ class DrafterTrainOutput:
     """[A, G, top_k] pair scores of the candidates (gold injected when missing)."""
     selector_labels: torch.Tensor | None = None
     """[A, G] index of the gold token among the candidates; IGNORE_INDEX where no gold."""
+    sequence_index: torch.Tensor | None = None
+    """[A] the sequence of each block (batched forward); the loss averages each sequence's
+    blocks, then weights the sequences by their anchor counts. None: one sequence."""
+    num_sequences: int = 1
+
+
+@dataclass
+class BlockLayout:
+    """The N blocks of a batched training forward over S sequences, and where each sits in
+    the padded [S, A] grid the attention runs on (A: the most blocks of one sequence; the
+    grid's unused slots hold dummy blocks whose outputs are dropped). All on one device."""
+
+    anchors: torch.Tensor
+    """[N] anchor positions, in the caller's order (the order of the outputs)."""
+    sequence_index: torch.Tensor
+    """[N] the sequence of each anchor."""
+    lengths: torch.Tensor
+    """[S] sequence lengths."""
+    slots: int
+    """A, the most blocks of one sequence."""
+    grid_index: torch.Tensor
+    """[N] the grid row s * A + j of each block."""
+    grid_anchors: torch.Tensor
+    """[S, A] the anchor of each grid slot (0 where unused)."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[0]
+
+    @classmethod
+    def build(cls, lengths: Sequence[int] | torch.Tensor, anchors: torch.Tensor,
+              sequence_index: torch.Tensor, device: torch.device | str | None = None
+              ) -> BlockLayout:
+        """From flat anchors [N] and their sequence indices [N] (any order). Worked out where
+        `anchors` lives (one sync when that is an accelerator; none from host tensors), then
+        moved to `device` without waiting."""
+        home = anchors.device
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=home)
+        anchors = anchors.to(device=home, dtype=torch.long)
+        sequence_index = sequence_index.to(device=home, dtype=torch.long)
+        sequences, blocks = lengths.shape[0], anchors.shape[0]
+        if blocks == 0 or sequences == 0 or sequence_index.shape != anchors.shape:
+            raise ValueError("anchors must be a non-empty set of positions, each with its "
+                             "sequence index")
+        known = (sequence_index >= 0) & (sequence_index < sequences)
+        index = sequence_index.clamp(0, sequences - 1)
+        bad = ~known | (anchors < 0) | (anchors >= lengths[index])
+        counts = torch.zeros(sequences, dtype=torch.long, device=home).index_add_(
+            0, index, torch.ones_like(index))
+        slots, invalid = torch.stack([counts.max(), bad.any().long()]).tolist()
+        if invalid:
+            raise ValueError(f"anchors must be positions in [0, length) of their sequence "
+                             f"(lengths {lengths.tolist()}), and sequence indices in "
+                             f"[0, {sequences})")
+        order = torch.argsort(index, stable=True)
+        first = counts.cumsum(0) - counts
+        rank = torch.empty_like(index)
+        rank[order] = torch.arange(blocks, device=home) - first[index[order]]
+        grid_index = index * slots + rank
+        grid_anchors = torch.zeros(sequences * slots, dtype=torch.long, device=home)
+        grid_anchors[grid_index] = anchors
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if device is None else tensor.to(device, non_blocking=True)
+
+        return cls(move(anchors), move(index), move(lengths), slots, move(grid_index),
+                   move(grid_anchors.view(sequences, slots)))
+
+    @classmethod
+    def for_sequences(cls, lengths: Sequence[int], anchors: Sequence[torch.Tensor],
+                      device: torch.device | str | None = None) -> BlockLayout:
+        """From one anchor tensor per sequence (host tensors: no sync)."""
+        counts = torch.tensor([a.numel() for a in anchors], dtype=torch.long)
+        flat = torch.cat([a.reshape(-1).to(torch.long) for a in anchors])
+        index = torch.repeat_interleave(torch.arange(len(anchors)), counts)
+        return cls.build(lengths, flat, index.to(flat.device), device)
 
 
 class DynamicConv(nn.Module):
@@ -161,6 +244,46 @@ class DraftAttention(nn.Module):
             enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(blocks, length, -1))
 
+    def forward_training(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         context_k: torch.Tensor, context_v: torch.Tensor,
+                         layout: BlockLayout, mask: torch.Tensor) -> torch.Tensor:
+        """x: [N, B, d] blocks of `layout`; context_k/v: [S, Lc, kv_heads, head_dim], the
+        sequences' context rows; mask: [S, 1, A, B or 1, Lc + B] (see
+        `training_attention_mask`). Each block row's scores against its sequence's context
+        and against its own block's rows go through one softmax."""
+        blocks, length, _ = x.shape
+        sequences, slots = layout.num_sequences, layout.slots
+        groups = self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).view(blocks, length, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+
+        def grid(t: torch.Tensor) -> torch.Tensor:
+            """[N, B, h, hd] -> [S, h, A, B, hd], unused slots zero."""
+            if t.shape[2] != self.num_heads:
+                t = t.repeat_interleave(groups, dim=2)
+            t = t.new_zeros(sequences * slots, *t.shape[1:]).index_copy(0, layout.grid_index, t)
+            return t.view(sequences, slots, *t.shape[1:]).permute(0, 3, 1, 2, 4)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            """[S, Lc, kv_heads, hd] -> [S, heads, Lc, hd]."""
+            return t.repeat_interleave(groups, dim=2).transpose(1, 2)
+
+        q, k, v = grid(q), grid(k), grid(v)
+        context_k, context_v = heads(context_k), heads(context_v)
+        rows = context_k.shape[2]
+        to_context = (q.flatten(2, 3) @ context_k.transpose(-1, -2)).view(
+            sequences, self.num_heads, slots, length, rows)
+        to_block = q @ k.transpose(-1, -2)
+        scores = torch.cat([to_context, to_block], dim=-1).float() * self.head_dim ** -0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+        out = (probs[..., :rows].flatten(2, 3) @ context_v).view_as(q) \
+            + probs[..., rows:] @ v
+        out = out.permute(0, 2, 3, 1, 4).reshape(sequences * slots, length, -1)
+        return self.o_proj(out[layout.grid_index])
+
 
 class DraftLayer(nn.Module):
     """Pre-norm attention + SwiGLU; with V2, a dynamic convolution on each sublayer's input."""
@@ -183,10 +306,21 @@ class DraftLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 context_k: torch.Tensor, context_v: torch.Tensor, mask: torch.Tensor
                 ) -> torch.Tensor:
+        return self._sublayers(x, lambda h: self.self_attn(h, cos, sin, context_k, context_v,
+                                                           mask))
+
+    def forward_training(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         context_k: torch.Tensor, context_v: torch.Tensor,
+                         layout: BlockLayout, mask: torch.Tensor) -> torch.Tensor:
+        return self._sublayers(x, lambda h: self.self_attn.forward_training(
+            h, cos, sin, context_k, context_v, layout, mask))
+
+    def _sublayers(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.attn_conv is not None:
             h = self.attn_conv(h)
-        x = x + self.self_attn(h, cos, sin, context_k, context_v, mask)
+        x = x + attend(h)
         h = self.post_attention_layernorm(x)
         if self.mlp_conv is not None:
             h = self.mlp_conv(h)
@@ -244,6 +378,27 @@ def block_attention_mask(query_positions: torch.Tensor, query_blocks: torch.Tens
         to_context &= context > query - window
         to_block &= query_positions[:, None, :] > query - window
     return torch.cat([to_context, to_block], dim=-1)
+
+
+def training_attention_mask(grid_anchors: torch.Tensor, context_length: int, block_size: int,
+                            window: int | None) -> torch.Tensor:
+    """[S, 1, A, B or 1, Lc + B] for the batched training forward: a block row sees its
+    sequence's context rows before the block's anchor (never padding: anchors are inside the
+    sequence) and inside the window, then its own block's B rows (non-causal) inside the
+    window. grid_anchors: [S, A] (see `BlockLayout`); an unused slot sees only its own rows,
+    so no row is empty."""
+    device = grid_anchors.device
+    context = torch.arange(context_length, device=device)
+    offsets = torch.arange(block_size, device=device)
+    anchors = grid_anchors[:, :, None, None]
+    to_context = context < anchors
+    if window is None:
+        to_block = torch.ones(1, block_size, dtype=torch.bool, device=device)
+    else:
+        to_context = to_context & (context > anchors + offsets[:, None] - window)
+        to_block = offsets[None, :] > offsets[:, None] - window
+    to_block = to_block.expand(*to_context.shape[:3], block_size)
+    return torch.cat([to_context, to_block], dim=-1)[:, None]
 
 
 def _draft_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -368,38 +523,55 @@ class MuseDrafter(nn.Module):
                 anchors: torch.Tensor) -> DrafterTrainOutput:
         """Training on one sequence: target_hidden [L, K*d] (the target_layer_ids outputs of
         every token), input_ids [L], anchors [A] positions in [0, L). Block j is
-        `[x_{a_j}, M, ..., M]` at positions a_j.. and predicts x_{a_j+1..a_j+B-1}."""
-        length = input_ids.shape[0]
-        if anchors.numel() == 0 or int(anchors.min()) < 0 or int(anchors.max()) >= length:
-            raise ValueError(f"anchors must be a non-empty set of positions in [0, {length})")
-        device, size = input_ids.device, self.config.block_size
-        num_blocks = anchors.shape[0]
-        offsets = torch.arange(size, device=device)
-        block_ids = torch.full((num_blocks, size), self.config.mask_token_id, device=device)
-        block_ids[:, 0] = input_ids[anchors]
-        block_positions = anchors[:, None] + offsets
-        # Packed: one set of queries (all blocks) over one set of keys (context + all blocks).
-        features = self.fuse(target_hidden)
-        context_positions = torch.arange(length, device=device)
-        query_blocks = torch.arange(num_blocks, device=device).repeat_interleave(size)
+        `[x_{a_j}, M, ..., M]` at positions a_j.. and predicts x_{a_j+1..a_j+B-1}.
+        `forward_batch` with one sequence."""
+        layout = BlockLayout.build([input_ids.shape[0]], anchors, torch.zeros_like(anchors),
+                                   input_ids.device)
+        return self.forward_batch(target_hidden[None], input_ids[None], layout)
 
-        def context_kv(index: int, layer: DraftLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_batch(self, target_hidden: torch.Tensor, input_ids: torch.Tensor,
+                      layout: BlockLayout) -> DrafterTrainOutput:
+        """Training on S right-padded sequences at once: target_hidden [S, L, K*d],
+        input_ids [S, L] (anything past a sequence's length is never seen), the blocks in
+        `layout` (on the same device). Outputs have one row per block, in layout order."""
+        sequences, padded = input_ids.shape
+        if layout.num_sequences != sequences:
+            raise ValueError(f"the layout has {layout.num_sequences} sequences, the batch "
+                             f"{sequences}")
+        device, size = input_ids.device, self.config.block_size
+        anchors, index = layout.anchors, layout.sequence_index
+        offsets = torch.arange(size, device=device)
+        block_ids = torch.full((layout.num_blocks, size), self.config.mask_token_id,
+                               device=device)
+        block_ids[:, 0] = input_ids[index, anchors]
+        block_positions = anchors[:, None] + offsets
+        # Zero the padding so that nothing there (even non-finite) reaches the gradients.
+        inside = torch.arange(padded, device=device) < layout.lengths[:, None]
+        features = self.fuse(torch.where(inside[..., None], target_hidden, 0))
+        context_positions = torch.arange(padded, device=device)
+        masks: dict[int | None, torch.Tensor] = {}
+        x = self._embed(block_ids)
+        for layer in self.layers:
+            window = layer.sliding_window
+            if window not in masks:
+                masks[window] = training_attention_mask(layout.grid_anchors, padded, size,
+                                                        window)
             keys, values = layer.self_attn.keys_values(
                 features, *self._rotary(context_positions, layer.layer_type))
-            return keys[None], values[None]
-
-        hidden = self._run_blocks(
-            block_ids, block_positions, query_blocks=query_blocks[None],
-            context_positions=context_positions[None],
-            context_valid=torch.ones(1, length, dtype=torch.bool, device=device),
-            context_kv=context_kv)[:, 1:]
+            x = layer.forward_training(x, *self._rotary(block_positions, layer.layer_type),
+                                       keys, values, layout, masks[window])
+        # Contiguous: the LM head then runs as one matrix product, not one per block.
+        hidden = self.norm(x)[:, 1:].contiguous()
 
         targets = anchors[:, None] + offsets[1:]
-        labels = torch.where(targets < length, input_ids[targets.clamp(max=length - 1)],
+        last = (layout.lengths[index] - 1)[:, None]
+        rows = index[:, None]
+        labels = torch.where(targets <= last, input_ids[rows, torch.minimum(targets, last)],
                              IGNORE_INDEX)
-        previous = input_ids[(targets - 1).clamp(max=length - 1)]
+        previous = input_ids[rows, torch.minimum(targets - 1, last)]
         unary = self._lm_head(hidden)
-        output = DrafterTrainOutput(logits=unary, labels=labels)
+        output = DrafterTrainOutput(logits=unary, labels=labels, sequence_index=index,
+                                    num_sequences=sequences)
         if self.markov_head is not None:
             output.logits = unary + self.markov_head(self.previous_token_embedding(previous),
                                                      hidden)

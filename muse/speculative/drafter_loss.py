@@ -10,6 +10,10 @@ B = 8, the published setting), so the decay keeps its shape when the block size 
   previous token) and p the target's;
 - confidence head: `1.0 * BCE(c, 1 - TV(q, p))`, the expected acceptance as a soft label;
 - candidate selector: `1.0 * ` the K-way cross entropy of the pair scores (gold injected).
+
+A batched forward (several sequences) averages each sequence's slots as above, then weights
+the sequences by their share of the blocks: the loss of the batch is the anchor-weighted mean
+of the per-sequence losses.
 """
 
 from __future__ import annotations
@@ -48,28 +52,46 @@ def decay_weights(block_size: int, gamma: float | None = None,
 
 
 def block_target_logits(sequence_logits: torch.Tensor, anchors: torch.Tensor,
-                        block_size: int) -> torch.Tensor:
+                        block_size: int, sequence_index: torch.Tensor | None = None,
+                        lengths: torch.Tensor | None = None) -> torch.Tensor:
     """[A, B-1, V] target logits per block slot, from the target's [L, V] logits of the
     sequence: slot k's distribution p_k is predicted at position a + k - 1. Slots past the
-    end repeat the last row; their labels are ignored."""
-    last = sequence_logits.shape[0] - 1
+    end repeat the last row; their labels are ignored.
+
+    Batched: sequence_logits [S, L, V] of right-padded sequences, sequence_index [A] the
+    sequence of each anchor and lengths [S] the sequences' lengths."""
     positions = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)
-    return sequence_logits[positions.clamp(max=last)]
+    if sequence_index is None:
+        return sequence_logits[positions.clamp(max=sequence_logits.shape[0] - 1)]
+    if lengths is None:
+        raise ValueError("batched target logits need the sequences' lengths")
+    last = (lengths[sequence_index] - 1)[:, None]
+    return sequence_logits[sequence_index[:, None], torch.minimum(positions, last)]
 
 
 def drafter_loss(config: DrafterConfig, output: DrafterTrainOutput,
                  target_logits: torch.Tensor | None = None,
                  gamma: float | None = None) -> DrafterLoss:
-    """The loss of one packed forward. target_logits [A, B-1, V] (see `block_target_logits`)
-    is needed by DSpark and by the confidence head."""
+    """The loss of one packed (or batched) forward. target_logits [A, B-1, V] (see
+    `block_target_logits`) is needed by DSpark and by the confidence head."""
     labels = output.labels
     has_gold = labels != IGNORE_INDEX
     weights = decay_weights(config.block_size, gamma, labels.device)[None] * has_gold
-    total_weight = weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    tiny = torch.finfo(torch.float32).tiny
+    if output.sequence_index is None:
+        weights = weights / weights.sum().clamp(min=tiny)
+    else:
+        # Block of sequence s: its weights / W_s (W_s: the weight of s's slots), times
+        # n_s / A, n_s the blocks of s: the anchor-weighted mean of per-sequence means.
+        index, blocks = output.sequence_index, labels.shape[0]
+        zeros = weights.new_zeros(output.num_sequences)
+        total = zeros.index_add(0, index, weights.sum(dim=-1))
+        count = zeros.index_add(0, index, torch.ones_like(weights[:, 0]))
+        weights = weights * (count / (blocks * total.clamp(min=tiny)))[index][:, None]
 
     def weighted_mean(per_slot: torch.Tensor) -> torch.Tensor:
         # where(), not a product, so values at ignored slots (even inf) cannot leak in.
-        return torch.where(has_gold, per_slot * weights, 0.0).sum() / total_weight
+        return torch.where(has_gold, per_slot * weights, 0.0).sum()
 
     logits = output.logits.float()
     cross_entropy = weighted_mean(F.cross_entropy(

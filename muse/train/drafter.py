@@ -6,10 +6,12 @@
    forward per batch of sequences gives the outputs of `config.target_layer_ids` at every
    position (the drafter fuses them itself) and the target's logits (for DSpark's L1 and the
    confidence head's BCE). Each sequence gets up to `max_anchors` random anchors among its
-   answer tokens, all its blocks go through the drafter's packed training forward, and the
-   loss is `drafter_loss` (slot weights exp(-(k-1)/gamma), gamma = B/2). AdamW over the
-   drafter's own weights only: its embedding and LM head are the target's, bound, not
-   trained. Linear warm-up over the first 4% of the run, then a cosine; the run's length is
+   answer tokens; all the batch's blocks go through one batched training forward of the
+   drafter, one loss and one backward (a few chunks when the batch is larger than a
+   budget; small chunks on a CPU). The loss is `drafter_loss` (slot weights
+   exp(-(k-1)/gamma), gamma = B/2), the anchor-weighted mean of the sequences' losses. AdamW
+   over the drafter's own weights only: its embedding and LM head are the target's, bound,
+   not trained. Linear warm-up over the first 4% of the run, then a cosine; the run's length is
    a step count, a wall-clock budget, or both.
 3. Evaluation on the held-out answers: the acceptance length greedy verification would give,
    computed offline. Since the answers are the target's greedy outputs, the target's greedy
@@ -43,7 +45,13 @@ from muse.chat_format import PAD_ID
 from muse.checkpoint import load_config, load_reference_model
 from muse.config import TextConfig
 from muse.reference.model import MuseForCausalLM
-from muse.speculative.drafter import IGNORE_INDEX, MuseDrafter, save_drafter
+from muse.speculative.drafter import (
+    IGNORE_INDEX,
+    BlockLayout,
+    DrafterTrainOutput,
+    MuseDrafter,
+    save_drafter,
+)
 from muse.speculative.drafter_config import DrafterConfig, default_target_layer_ids
 from muse.speculative.drafter_loss import block_target_logits, drafter_loss
 from muse.tokenizer import MuseTokenizer
@@ -66,6 +74,16 @@ SCHEDULE_RESOLUTION = 100_000
 PROPOSE_CHUNK = 64
 LOSS_TERMS = ("loss", "cross_entropy", "probability_l1", "confidence_bce",
               "selector_cross_entropy")
+# Bounds on one batched drafter forward: logit elements (the [blocks, B-1, V] logits and the
+# loss's softmaxes scale with them) and cells of the padded attention grid (sequences x most
+# blocks of one sequence x B x (context rows + B), per head). A batch over either is split
+# into chunks of whole sequences, each with its own forward and backward. On an accelerator
+# one large forward is best (a batch of 32 answers of ~70 anchors is one chunk); on a CPU,
+# tensors over glibc's 32 MiB mmap ceiling are mapped afresh (page faults) at every
+# allocation, so chunks stay under it.
+CHUNK_LOGITS = 1 << 28
+HOST_CHUNK_LOGITS = 1 << 23
+CHUNK_ATTENTION_CELLS = 1 << 26
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,7 +162,8 @@ def target_batch(target: MuseForCausalLM, sequences: Sequence[Sequence[int]],
     for row, sequence in enumerate(sequences):
         input_ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         attention_mask[row, :len(sequence)] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    input_ids = input_ids.to(device, non_blocking=True)
+    attention_mask = attention_mask.to(device, non_blocking=True)
     with autocast(device):
         out = target(input_ids, attention_mask=attention_mask, hidden_layers=layer_ids)
     hidden = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
@@ -174,6 +193,73 @@ def evaluation_anchors(example: DrafterExample, block_size: int, max_anchors: in
     """Answer positions whose whole block of B - 1 continuations is in the answer."""
     return sample_anchors(example.response_start, len(example.input_ids) - block_size + 1,
                           max_anchors, generator)
+
+
+def chunk_blocks(config: DrafterConfig, device: torch.device) -> int:
+    """The most blocks of one batched forward on `device` (see CHUNK_LOGITS)."""
+    budget = CHUNK_LOGITS if device.type != "cpu" else HOST_CHUNK_LOGITS
+    return max(1, budget // (config.num_draft_tokens * config.vocab_size))
+
+
+def chunk_rows(counts: Sequence[int], lengths: Sequence[int], block_size: int,
+               max_blocks: int | None = None, max_cells: int | None = None
+               ) -> list[list[int]]:
+    """The rows with anchors (counts[i] > 0), in chunks of one batched forward each: longest
+    first, a chunk grown while its blocks and its padded attention grid stay in budget (a
+    row alone always makes a chunk); each chunk's rows in batch order. No block budget by
+    default; the cell budget defaults to CHUNK_ATTENTION_CELLS."""
+    max_blocks = sum(counts) if max_blocks is None else max_blocks
+    max_cells = CHUNK_ATTENTION_CELLS if max_cells is None else max_cells
+    order = sorted((i for i, n in enumerate(counts) if n > 0), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    blocks = slots = longest = 0
+    for row in order:
+        grown = (blocks + counts[row], max(slots, counts[row]), max(longest, lengths[row]))
+        cells = (len(chunks[-1]) + 1 if chunks else 1) * grown[1] * block_size * \
+            (grown[2] + block_size)
+        if chunks and (grown[0] > max_blocks or cells > max_cells):
+            chunks.append([row])
+            blocks, slots, longest = counts[row], counts[row], lengths[row]
+        else:
+            if not chunks:
+                chunks.append([])
+            chunks[-1].append(row)
+            blocks, slots, longest = grown
+    return [sorted(chunk) for chunk in chunks]
+
+
+@dataclass
+class ChunkInputs:
+    """One chunk of a target batch, ready for `MuseDrafter.forward_batch`."""
+
+    hidden: torch.Tensor
+    """[S, L, K*d] the chunk's target features, right-padded to its longest sequence."""
+    input_ids: torch.Tensor
+    layout: BlockLayout
+    target_logits: torch.Tensor | None
+    """[N, B-1, V] the target's logits of every block slot, when the loss needs them."""
+
+
+def chunk_inputs(batch: TargetBatch, rows: Sequence[int], anchors: Sequence[torch.Tensor],
+                 block_size: int, device: torch.device) -> ChunkInputs:
+    """The chunk of `rows` of `batch`; anchors: host tensors, one per row of the batch. The
+    index tensors are built on the host and copied without waiting for the device."""
+    lengths = [batch.lengths[r] for r in rows]
+    longest = max(lengths)
+    if list(rows) == list(range(batch.input_ids.shape[0])):
+        hidden, input_ids = batch.hidden[:, :longest], batch.input_ids[:, :longest]
+    else:
+        picked = torch.tensor(list(rows)).to(device, non_blocking=True)
+        hidden = batch.hidden[picked, :longest]
+        input_ids = batch.input_ids[picked, :longest]
+    layout = BlockLayout.for_sequences(lengths, [anchors[r] for r in rows], device)
+    target_logits = None
+    if batch.logits is not None:
+        batch_rows = torch.tensor(list(rows)).to(device, non_blocking=True)
+        target_logits = block_target_logits(
+            batch.logits, layout.anchors, block_size, batch_rows[layout.sequence_index],
+            torch.tensor(batch.lengths).to(device, non_blocking=True))
+    return ChunkInputs(hidden, input_ids, layout, target_logits)
 
 
 # ---- acceptance ------------------------------------------------------------------------------
@@ -223,6 +309,15 @@ class AcceptanceCounter:
         for t, count in enumerate(histogram):
             row[t] += count
 
+    def add_blocks(self, tasks: Sequence[str], counts: Sequence[int],
+                   accepted: torch.Tensor) -> None:
+        """accepted [sum(counts)]: counts[i] blocks of task tasks[i], in order."""
+        accepted = accepted.cpu()
+        of_block = torch.repeat_interleave(torch.arange(len(tasks)), torch.tensor(counts))
+        for task in sorted(set(tasks)):
+            rows = torch.tensor([i for i, t in enumerate(tasks) if t == task])
+            self.add(task, accepted[torch.isin(of_block, rows)])
+
     @staticmethod
     def figures(histogram: Sequence[int]) -> dict[str, Any]:
         blocks = sum(histogram)
@@ -256,12 +351,13 @@ def evaluate_acceptance(drafter: MuseDrafter, target: MuseForCausalLM,
 
     Every answer position with a whole block inside the answer is an anchor (at most
     `max_anchors` per answer, drawn with `seed`). Also reports the drafter's held-out loss
-    on those blocks. `drafter` may be any module with a `config` that maps (target_hidden,
-    input_ids, anchors) to a `DrafterTrainOutput`."""
+    on those blocks. `drafter` may be any module with a `config` and a `forward_batch` that
+    maps (target_hidden [S, L, K*d], input_ids [S, L], a `BlockLayout`) to a
+    `DrafterTrainOutput`; the blocks of a batch of answers go through it at once."""
     config = drafter.config
     generator = torch.Generator().manual_seed(seed)
     counter = AcceptanceCounter(config.num_draft_tokens)
-    loss_sums: dict[str, float] = {}
+    loss_sums: dict[str, torch.Tensor] = {}
     weight = 0
     for first in range(0, len(examples), batch_size):
         group = list(examples[first:first + batch_size])
@@ -270,25 +366,33 @@ def evaluate_acceptance(drafter: MuseDrafter, target: MuseForCausalLM,
         kept = [(e, a) for e, a in zip(group, anchors) if a.numel()]
         if not kept:
             continue
+        anchors = [a for _, a in kept]
         batch = target_batch(target, [e.input_ids for e, _ in kept], config.target_layer_ids,
                              needs_target_logits(config), device)
-        for row, (example, anchor) in enumerate(kept):
-            length = batch.lengths[row]
-            ids, hidden = batch.input_ids[row, :length], batch.hidden[row, :length]
-            anchor = anchor.to(device)
+        counts = [a.numel() for a in anchors]
+        for rows in chunk_rows(counts, batch.lengths, config.block_size,
+                               chunk_blocks(config, device)):
+            chunk = chunk_inputs(batch, rows, anchors, config.block_size, device)
             with autocast(device):
-                output = drafter(hidden, ids, anchor)
-                drafts = greedy_drafts(drafter, hidden, ids, anchor, output)
-                logits = None if batch.logits is None else \
-                    block_target_logits(batch.logits[row, :length], anchor, config.block_size)
-                loss = drafter_loss(config, output, logits)
-            counter.add(example.task, count_accepted(drafts, output.labels))
+                output = drafter.forward_batch(chunk.hidden, chunk.input_ids, chunk.layout)
+                loss = drafter_loss(config, output, chunk.target_logits)
+                if config.candidate_selector:
+                    drafts = torch.cat([greedy_drafts(
+                        drafter, chunk.hidden[i, :batch.lengths[r]],
+                        chunk.input_ids[i, :batch.lengths[r]], anchors[r].to(device))
+                        for i, r in enumerate(rows)])
+                else:
+                    drafts = output.logits.argmax(dim=-1)
+            blocks = chunk.layout.num_blocks
+            counter.add_blocks([kept[r][0].task for r in rows], [counts[r] for r in rows],
+                               count_accepted(drafts, output.labels))
             for name, value in _loss_terms(loss).items():
-                loss_sums[name] = loss_sums.get(name, 0.0) + float(value) * anchor.numel()
-            weight += anchor.numel()
+                loss_sums[name] = loss_sums.get(name, 0.0) + value.float() * blocks
+            weight += blocks
     report = counter.report()
     report["sequences"] = len(examples)
-    report["loss"] = {name: round(total / max(weight, 1), 4) for name, total in loss_sums.items()}
+    report["loss"] = {name: round(float(total) / max(weight, 1), 4)
+                      for name, total in loss_sums.items()}
     report["definition"] = ("greedy drafts against the target's greedy answers at every anchor "
                             "with a whole block inside the answer; acceptance length = "
                             "accepted drafts + 1 (tokens per target forward)")
@@ -367,7 +471,8 @@ class IntervalStats:
         self.steps = 0
         self.started = time.monotonic()
 
-    def add(self, terms: dict[str, torch.Tensor], anchors: int, output: Any) -> None:
+    def add(self, terms: dict[str, torch.Tensor], anchors: int,
+            output: DrafterTrainOutput) -> None:
         for name, value in terms.items():
             self.sums[name] = self.sums.get(name, 0.0) + value.float() * anchors
         self.anchors += anchors
@@ -391,25 +496,26 @@ def train_step(drafter: MuseDrafter, target: MuseForCausalLM, optimizer: torch.o
                device: torch.device, generator: torch.Generator, stats: IntervalStats
                ) -> torch.Tensor:
     """One optimizer step over a batch of sequences; returns the gradient norm before
-    clipping. Each sequence's loss is weighted by its share of the batch's anchors and
-    back-propagated on its own, so only one sequence's graph is alive at a time."""
+    clipping (a device tensor). The batch's blocks go through one batched forward, loss and
+    backward (a chunk of sequences each when over the budget, weighted by its share of the
+    anchors); nothing here waits for the device."""
     config = drafter.config
     for group in optimizer.param_groups:
         group["lr"] = lr
     anchors = [training_anchors(e, args.max_anchors, generator) for e in examples]
-    total_anchors = sum(a.numel() for a in anchors)
+    counts = [a.numel() for a in anchors]
+    total_anchors = sum(counts)
     batch = target_batch(target, [e.input_ids for e in examples], config.target_layer_ids,
                          needs_target_logits(config), device)
-    for row, anchor in enumerate(anchors):
-        length = batch.lengths[row]
-        anchor = anchor.to(device)
+    for rows in chunk_rows(counts, batch.lengths, config.block_size,
+                           chunk_blocks(config, device)):
+        chunk = chunk_inputs(batch, rows, anchors, config.block_size, device)
+        blocks = chunk.layout.num_blocks
         with autocast(device):
-            output = drafter(batch.hidden[row, :length], batch.input_ids[row, :length], anchor)
-            logits = None if batch.logits is None else \
-                block_target_logits(batch.logits[row, :length], anchor, config.block_size)
-            loss = drafter_loss(config, output, logits, args.gamma)
-        (loss.total * (anchor.numel() / total_anchors)).backward()
-        stats.add(_loss_terms(loss), anchor.numel(), output)
+            output = drafter.forward_batch(chunk.hidden, chunk.input_ids, chunk.layout)
+            loss = drafter_loss(config, output, chunk.target_logits, args.gamma)
+        (loss.total * (blocks / total_anchors)).backward()
+        stats.add(_loss_terms(loss), blocks, output)
     stats.tokens += sum(batch.lengths)
     stats.steps += 1
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)

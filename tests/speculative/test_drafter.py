@@ -11,7 +11,14 @@ import torch
 from muse.checkpoint.layout import CheckpointError
 from muse.config import FULL, SLIDING, ConfigError, RopeParameters, TextConfig
 from muse.reference.model import MuseForCausalLM
-from muse.speculative.drafter import DynamicConv, MuseDrafter, load_drafter, save_drafter
+from muse.speculative.drafter import (
+    IGNORE_INDEX,
+    BlockLayout,
+    DynamicConv,
+    MuseDrafter,
+    load_drafter,
+    save_drafter,
+)
 from muse.speculative.drafter_config import DrafterConfig, default_target_layer_ids
 from muse.speculative.drafter_loss import block_target_logits, decay_weights, drafter_loss
 
@@ -236,6 +243,122 @@ def test_packed_blocks_see_only_their_context_and_their_own_rows(target) -> None
         earlier_hidden = hidden.clone()
         earlier_hidden[anchors[0] - 1] += 3.0
         assert (drafter(earlier_hidden, ids, anchors).logits[0] - packed[0]).abs().max() > 1e-4
+
+
+# -- batched training: several sequences in one forward -----------------------------------------
+
+BATCH_LENGTHS = [LENGTH, 13, 19]
+BATCH_ANCHORS = [[2, 9, 15, 21, 23], [7], [0, 4, 11, 18]]
+
+
+def leave_identity(drafter) -> None:
+    """Random dynamic-convolution weights, so the convolution actually mixes rows."""
+    generator = torch.Generator().manual_seed(5)
+    for conv in drafter.modules():
+        if isinstance(conv, DynamicConv):
+            with torch.no_grad():
+                conv.delta_proj.weight.normal_(std=0.1, generator=generator)
+                conv.base.normal_(std=0.5, generator=generator)
+
+
+def padded_batch(target, config):
+    """Sequences of BATCH_LENGTHS right-padded to LENGTH: ids [S, L], hidden [S, L, K*d] and
+    logits [S, L, V], with junk past each end (NaN features, other tokens, huge logits) that
+    must never be seen."""
+    ids, hidden, logits = [], [], []
+    for seed, length in enumerate(BATCH_LENGTHS):
+        i, h, lg = (t.clone() for t in sequence(target, config, seed))
+        i[length:] = (i[length:] + 5) % (VOCAB - 1)
+        h[length:] = float("nan")
+        lg[length:] = 1e4
+        ids.append(i), hidden.append(h), logits.append(lg)
+    return torch.stack(ids), torch.stack(hidden), torch.stack(logits)
+
+
+def shuffled_layout(order_seed: int = 0):
+    """The BATCH_ANCHORS blocks in a random flat order (sequences interleaved), and that
+    order as indices into the per-sequence concatenation."""
+    flat = torch.tensor([a for anchors in BATCH_ANCHORS for a in anchors])
+    index = torch.repeat_interleave(torch.arange(len(BATCH_ANCHORS)),
+                                    torch.tensor([len(a) for a in BATCH_ANCHORS]))
+    order = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(order_seed))
+    return BlockLayout.build(BATCH_LENGTHS, flat[order], index[order]), order
+
+
+@pytest.mark.parametrize("options", [
+    {}, DSPARK, dict(method="dflash", dynamic_conv=True, conv_group_size=8), ALL_V2,
+    dict(layer_types=[SLIDING, FULL], sliding_window=5, dynamic_conv=True, conv_group_size=8)])
+def test_batched_forward_equals_per_sequence_forwards(target, options) -> None:
+    drafter = make_drafter(target, **options)
+    leave_identity(drafter)
+    strengthen_sequential_terms(drafter)
+    ids, hidden, _ = padded_batch(target, drafter.config)
+    layout, order = shuffled_layout()
+    assert layout.slots == 5 and layout.num_blocks == 10
+    with torch.no_grad():
+        batched = drafter.forward_batch(hidden, ids, layout)
+        alone = [drafter(hidden[s, :n], ids[s, :n], torch.tensor(BATCH_ANCHORS[s]))
+                 for s, n in enumerate(BATCH_LENGTHS)]
+    for field in ("logits", "labels", "confidence", "selector_scores", "selector_labels"):
+        expected = [getattr(out, field) for out in alone]
+        if expected[0] is None:
+            assert getattr(batched, field) is None, field
+            continue
+        expected = torch.cat(expected)[order]
+        if expected.is_floating_point():
+            torch.testing.assert_close(getattr(batched, field), expected, atol=1e-5, rtol=1e-4)
+        else:
+            assert torch.equal(getattr(batched, field), expected), field
+    assert torch.isfinite(batched.logits).all()
+    # The short sequence's block runs past its end: those slots are ignored.
+    assert (batched.labels[order == 5] == IGNORE_INDEX).sum() == 2
+    assert torch.equal(batched.sequence_index, layout.sequence_index)
+
+
+@pytest.mark.parametrize("gamma", [None, 2.0])
+def test_batched_loss_is_the_anchor_weighted_mean_of_sequence_losses(target, gamma) -> None:
+    drafter = make_drafter(target, **DSPARK)
+    ids, hidden, logits = padded_batch(target, drafter.config)
+    layout, _ = shuffled_layout(order_seed=1)
+    size = drafter.config.block_size
+    target_logits = block_target_logits(logits, layout.anchors, size, layout.sequence_index,
+                                        layout.lengths)
+    batched = drafter_loss(drafter.config, drafter.forward_batch(hidden, ids, layout),
+                           target_logits, gamma)
+    batched.total.backward()
+    batched_grads = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    drafter.zero_grad()
+
+    # The old training step: one forward, loss and backward per sequence, weighted by its
+    # share of the anchors.
+    total_anchors = sum(len(a) for a in BATCH_ANCHORS)
+    expected = {name: 0.0 for name, value in vars(batched).items() if value is not None}
+    for s, length in enumerate(BATCH_LENGTHS):
+        anchors = torch.tensor(BATCH_ANCHORS[s])
+        share = len(BATCH_ANCHORS[s]) / total_anchors
+        loss = drafter_loss(drafter.config, drafter(hidden[s, :length], ids[s, :length], anchors),
+                            block_target_logits(logits[s, :length], anchors, size), gamma)
+        (loss.total * share).backward()
+        for name in expected:
+            expected[name] = expected[name] + getattr(loss, name).detach() * share
+    for name, value in expected.items():
+        torch.testing.assert_close(getattr(batched, name).detach(), value)
+    for name, param in drafter.named_parameters():
+        torch.testing.assert_close(batched_grads[name], param.grad, atol=1e-6, rtol=1e-4)
+    assert all(torch.isfinite(g).all() for g in batched_grads.values())
+
+
+def test_block_layout_places_blocks_and_rejects_bad_anchors() -> None:
+    layout = BlockLayout.build([10, 6], torch.tensor([3, 1, 5, 0]), torch.tensor([1, 0, 1, 0]))
+    assert layout.slots == 2 and layout.num_sequences == 2
+    assert layout.grid_index.tolist() == [2, 0, 3, 1]
+    assert layout.grid_anchors.tolist() == [[1, 0], [3, 5]]
+    same = BlockLayout.for_sequences([10, 6], [torch.tensor([1, 0]), torch.tensor([3, 5])])
+    assert same.sequence_index.tolist() == [0, 0, 1, 1] and same.anchors.tolist() == [1, 0, 3, 5]
+    for anchors, index in [([6], [1]), ([-1], [0]), ([2], [2]), ([], [])]:
+        with pytest.raises(ValueError, match="anchors"):
+            BlockLayout.build([10, 6], torch.tensor(anchors, dtype=torch.long),
+                              torch.tensor(index, dtype=torch.long))
 
 
 # -- V2 modules ---------------------------------------------------------------------------------

@@ -16,16 +16,27 @@ from muse.engine.sampling_params import SamplingParams
 from muse.init_checkpoint import init_random_checkpoint
 from muse.llm import LLM
 from muse.presets import get_preset
-from muse.speculative.drafter import IGNORE_INDEX, DrafterTrainOutput, MuseDrafter, load_drafter
+from muse.speculative.drafter import (
+    IGNORE_INDEX,
+    BlockLayout,
+    DrafterTrainOutput,
+    MuseDrafter,
+    load_drafter,
+)
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN
+from muse.train import drafter as drafter_training
 from muse.train.drafter import (
+    IntervalStats,
+    build_optimizer,
+    chunk_rows,
     count_accepted,
     drafter_config,
     evaluate_acceptance,
     greedy_drafts,
     mask_token_id,
     target_batch,
+    train_step,
 )
 from muse.train.drafter_data import DrafterExample, build_data, render_prompt, sample_prompts
 from muse.train.drafter_options import SUMMARY_FILE, DrafterTrainArgs
@@ -134,13 +145,16 @@ class Oracle(nn.Module):
         super().__init__()
         self.config = config
 
-    def forward(self, hidden, input_ids, anchors) -> DrafterTrainOutput:
-        targets = anchors[:, None] + torch.arange(1, self.config.block_size)
-        inside = targets < input_ids.shape[0]
-        labels = torch.where(inside, input_ids[targets.clamp(max=input_ids.shape[0] - 1)],
+    def forward_batch(self, hidden, input_ids, layout: BlockLayout) -> DrafterTrainOutput:
+        targets = layout.anchors[:, None] + torch.arange(1, self.config.block_size)
+        last = layout.lengths[layout.sequence_index][:, None] - 1
+        labels = torch.where(targets <= last, input_ids[layout.sequence_index[:, None],
+                                                        torch.minimum(targets, last)],
                              IGNORE_INDEX)
         logits = 30.0 * F.one_hot(labels.clamp(min=0), self.config.vocab_size).float()
-        return DrafterTrainOutput(logits=logits, labels=labels)
+        return DrafterTrainOutput(logits=logits, labels=labels,
+                                  sequence_index=layout.sequence_index,
+                                  num_sequences=layout.num_sequences)
 
 
 def test_acceptance_is_the_block_size_for_an_oracle_and_about_one_for_a_random_drafter(
@@ -192,6 +206,46 @@ def test_packed_greedy_drafts_are_the_inference_walks_drafts(data, reference,
                                torch.tensor([anchor]))[0]
     assert packed.tolist() == walk.tolist()
     assert int(count_accepted(packed[None], walk[None])) == config.num_draft_tokens
+
+
+def test_chunks_keep_whole_sequences_inside_the_budgets() -> None:
+    counts, lengths = [5, 0, 3, 4, 2], [30, 9, 20, 40, 10]
+    assert chunk_rows(counts, lengths, 8) == [[0, 2, 3, 4]]
+    # Longest first, a new chunk when the blocks would pass the budget.
+    assert chunk_rows(counts, lengths, 8, max_blocks=9) == [[0, 3], [2, 4]]
+    assert chunk_rows(counts, lengths, 8, max_blocks=7) == [[3], [0], [2, 4]]
+    assert chunk_rows(counts, lengths, 8, max_blocks=1) == [[3], [0], [2], [4]]
+    # Padded attention cells: sequences x most blocks x B x (longest + B).
+    assert chunk_rows(counts, lengths, 8, max_cells=2 * 5 * 8 * 48) == [[0, 3], [2, 4]]
+
+
+def test_a_step_in_chunks_equals_one_batched_step(data, reference, monkeypatch) -> None:
+    """The batch's loss is the anchor-weighted mean of its sequences' losses however it is
+    split: the same step in one forward or in one chunk per sequence moves the weights
+    alike."""
+    args = DrafterTrainArgs(**SMALL, max_anchors=5)
+    config = drafter_config(reference.config, args, 31)
+    device = torch.device("cpu")
+
+    def one_step(chunk_blocks: int):
+        monkeypatch.setattr(drafter_training, "chunk_blocks", lambda *_: chunk_blocks)
+        drafter = MuseDrafter(config)
+        drafter.init_weights(seed=4)
+        drafter.bind_target(reference.model.embed_tokens, reference.lm_head).train()
+        stats = IntervalStats()
+        norm = train_step(drafter, reference, build_optimizer(drafter, args, device),
+                          data.train, 1e-3, args, device, torch.Generator().manual_seed(0),
+                          stats)
+        return norm, drafter.state_dict(), stats.record()
+
+    norm, weights, record = one_step(10_000)
+    chunked_norm, chunked_weights, chunked_record = one_step(1)
+    torch.testing.assert_close(chunked_norm, norm)
+    for name, value in weights.items():
+        torch.testing.assert_close(chunked_weights[name], value)
+    for name in ("loss", "cross_entropy", "probability_l1", "confidence_bce"):
+        assert record[name] == pytest.approx(chunked_record[name], rel=1e-5)
+    assert record["blocks_per_s"] > 0 and record["train_acceptance_length"] >= 1.0
 
 
 def test_cli_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
