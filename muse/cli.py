@@ -76,7 +76,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
             "seed": args.seed, "enforce_eager": args.enforce_eager,
-            "overlap_schedule": not args.disable_overlap_schedule}
+            "overlap_schedule": not args.disable_overlap_schedule,
+            "speculative_config": args.speculative_config}
 
 
 def _sampling(args: argparse.Namespace):
@@ -181,6 +182,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                              "above 0 differs from run to run)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs for decode batches) "
+                             "(default: off)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding as JSON, vLLM's names, e.g. "
+                             "'{\"method\": \"dspark\"}' for the shipped drafter "
                              "(default: off)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each step back before launching the next (when off, the "
