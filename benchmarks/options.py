@@ -29,30 +29,14 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="muse-spark-15b-a2b", choices=sorted(PRESETS),
-                        help=f"a preset; the GPU shapes are {', '.join(SHAPES)}")
+    add_run_args(parser)
     parser.add_argument("--engines", default="muse,transformers",
                         type=lambda s: parse_list(s, str))
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--merge-from", default=None, metavar="JSON",
                         help="an earlier run's --out: its results for engines not run now are "
                              "kept, and the ratios computed against them")
-    roof = parser.add_argument_group("roofline")
-    roof.add_argument("--mem-bandwidth", type=float, default=H200_MEMORY_BANDWIDTH,
-                      help="bytes/s (default: measured H200 copy bandwidth)")
-    roof.add_argument("--matmul-flops", type=float, default=H200_BF16_MATMUL_FLOPS,
-                      help="FLOP/s (default: measured H200 dense bf16 matmul)")
-    muse_group = parser.add_argument_group("muse")
-    muse_group.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                            help="share of GPU memory muse may fill, weights and KV cache")
-    muse_group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                            help="tokens per engine step (default: the engine's)")
-    muse_group.add_argument("--enforce-eager", action="store_true",
-                            help="no CUDA graphs (where the engine has them)")
+    add_roofline_args(parser)
+    muse_group = add_muse_args(parser)
     muse_group.add_argument("--disable-overlap-schedule", action="store_true",
                             help="read each step back before launching the next")
     muse_group.add_argument("--detokenize", action="store_true",
@@ -62,6 +46,37 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                     help="e.g. sdpa, flash_attention_2 (default: transformers' choice)")
     hf.add_argument("--hf-experts-implementation", default=None,
                     help="e.g. grouped_mm, batched_mm, eager (default: transformers' choice)")
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """What every benchmark of a shape takes: the shape, where, in what dtype, the output."""
+    parser.add_argument("--shape", default="muse-spark-15b-a2b", choices=sorted(PRESETS),
+                        help=f"a preset; the GPU shapes are {', '.join(SHAPES)}")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
+                                                                "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+
+
+def add_roofline_args(parser: argparse.ArgumentParser) -> None:
+    roof = parser.add_argument_group("roofline")
+    roof.add_argument("--mem-bandwidth", type=float, default=H200_MEMORY_BANDWIDTH,
+                      help="bytes/s (default: measured H200 copy bandwidth)")
+    roof.add_argument("--matmul-flops", type=float, default=H200_BF16_MATMUL_FLOPS,
+                      help="FLOP/s (default: measured H200 dense bf16 matmul)")
+
+
+def add_muse_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """muse's engine settings a benchmark passes on; returns the group for more."""
+    muse_group = parser.add_argument_group("muse")
+    muse_group.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                            help="share of GPU memory muse may fill, weights and KV cache")
+    muse_group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="tokens per engine step (default: the engine's)")
+    muse_group.add_argument("--enforce-eager", action="store_true",
+                            help="no CUDA graphs (where the engine has them)")
+    return muse_group
 
 
 def check_common_args(args: argparse.Namespace) -> None:

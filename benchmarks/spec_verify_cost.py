@@ -41,11 +41,10 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.engines import build_muse, free_memory, random_prompt, synchronize  # noqa: E402
-from benchmarks.options import parse_list, resolve_device  # noqa: E402
+from benchmarks.options import (add_muse_args, add_roofline_args, add_run_args,  # noqa: E402
+                                parse_list, resolve_device)
 from benchmarks.report import environment, error_text, fmt, table, write_json  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
-    H200_BF16_MATMUL_FLOPS,
-    H200_MEMORY_BANDWIDTH,
     ROOFLINE_NOTE,
     Machine,
     Roofline,
@@ -56,7 +55,6 @@ from benchmarks.roofline import (  # noqa: E402
 from benchmarks.shapes import describe_muse_side, text_config  # noqa: E402
 from muse.engine.args import EngineArgs  # noqa: E402
 from muse.info import DTYPE_BYTES  # noqa: E402
-from muse.presets import PRESETS  # noqa: E402
 
 METHOD = {
     "setup": "the largest batch's requests (random prompt ids of --context tokens) are "
@@ -106,12 +104,7 @@ VERIFY_ROOFLINE_NOTE = (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="muse-spark-15b-a2b", choices=sorted(PRESETS))
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON file for the results")
+    add_run_args(parser)
     parser.add_argument("--batch-sizes", default=[1, 2, 4, 8, 16, 32, 64], type=parse_list,
                         help="requests per step, comma separated")
     parser.add_argument("--context", type=int, default=1024,
@@ -126,18 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="drafting time per speculative step, ms (not measured here)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before them")
-    roof = parser.add_argument_group("roofline")
-    roof.add_argument("--mem-bandwidth", type=float, default=H200_MEMORY_BANDWIDTH,
-                      help="bytes/s (default: measured H200 copy bandwidth)")
-    roof.add_argument("--matmul-flops", type=float, default=H200_BF16_MATMUL_FLOPS,
-                      help="FLOP/s (default: measured H200 dense bf16 matmul)")
-    muse_group = parser.add_argument_group("muse")
-    muse_group.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                            help="share of GPU memory muse may fill, weights and KV cache")
-    muse_group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                            help="tokens per prefill step (default: the engine's)")
-    muse_group.add_argument("--enforce-eager", action="store_true",
-                            help="no decode CUDA graphs: the decode step is timed eager only")
+    add_roofline_args(parser)
+    add_muse_args(parser)
     args = parser.parse_args(argv)
     if (not args.batch_sizes or min(args.batch_sizes) < 1 or not args.num_draft_tokens
             or min(args.num_draft_tokens) < 1):
