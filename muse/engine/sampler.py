@@ -135,7 +135,9 @@ def _exponential_noise(rows: list[SamplingRow], shape: tuple[int, int],
     for i, row in enumerate(rows):
         if row.generator is not None:
             noise[i].exponential_(generator=row.generator)
-    return noise
+    # A draw of exactly 0 would make probs / noise NaN for a token of probability 0, and
+    # argmax would pick it; the smallest normal float changes no other comparison.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int,
