@@ -52,7 +52,7 @@ from muse.speculative.drafter import (
     MuseDrafter,
     save_drafter,
 )
-from muse.speculative.drafter_config import DrafterConfig, default_target_layer_ids
+from muse.speculative.drafter_config import DrafterConfig
 from muse.speculative.drafter_loss import block_target_logits, drafter_loss
 from muse.tokenizer import MuseTokenizer
 from muse.train.drafter_data import DrafterData, DrafterExample, build_data
