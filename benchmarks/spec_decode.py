@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import random  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -53,6 +52,7 @@ from benchmarks.report import REPO_ROOT, environment, fmt, pct, table, write_jso
 from muse.presets import PRESETS, SHIPPED_CHECKPOINT  # noqa: E402
 from muse.speculative.config import SpeculativeConfig  # noqa: E402
 from muse.train.data.split import HELD_OUT  # noqa: E402
+from muse.train.drafter_data import render_prompt, sample_prompts  # noqa: E402
 
 FAMILIES = ("arithmetic", "tools", "instructions")
 DEFAULT_SPEC = '{"method": "dspark"}'
@@ -207,56 +207,17 @@ class Prompts:
     source: str
 
 
-def _drafter_data(name: str) -> Any:
-    """A public function of `muse.train.drafter_data`, or None where it has none."""
-    try:
-        import muse.train.drafter_data as drafter_data
-    except ImportError:
-        return None
-    return getattr(drafter_data, name, None)
-
-
-def _conversation_prompts(num: int, seed: int) -> tuple[list[Any], str]:
-    """The first `num` held-out prompts of a stream in the default model's task mix, as
-    `muse.train.drafter_data` draws them (a pure function of the seed: a longer draw starts
-    with the shorter one); built from the conversation generators where that module lacks
-    them."""
-    sample_prompts = _drafter_data("sample_prompts")
-    if sample_prompts is not None:
-        return sample_prompts(num, seed, HELD_OUT), "muse.train.drafter_data.sample_prompts"
-    from muse.train.data.conversations import sample_conversation
-
-    rng = random.Random(f"spec-decode-bench/{HELD_OUT}/{seed}")
-    prompts = []
-    for _ in range(num):
-        conversation = sample_conversation(rng, HELD_OUT)
-        turns = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
-        cut = rng.choice(turns)
-        prompts.append(dataclasses.replace(conversation,
-                                           messages=conversation.messages[:cut]))
-    return prompts, "muse.train.data.conversations.sample_conversation"
-
-
-def _renderer() -> Any:
-    """Chat template, generation prompt included, as `LLM.chat` renders a conversation."""
-    render_prompt = _drafter_data("render_prompt")
-    if render_prompt is not None:
-        return render_prompt
-    return lambda tokenizer, prompt: tokenizer.apply_chat_template(
-        prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=True)
-
-
 def held_out_prompts(tokenizer: Any, per_family: int, mix_size: int, seed: int) -> Prompts:
     """`per_family` distinct prompts of each family and the first `mix_size` of the stream."""
     num = max(6 * per_family, mix_size)
-    render = _renderer()
+    source = "muse.train.drafter_data.sample_prompts"
     while True:
-        drawn, source = _conversation_prompts(num, seed)
+        drawn = sample_prompts(num, seed, HELD_OUT)
         families: dict[str, list[list[int]]] = {family: [] for family in FAMILIES}
         seen: set[tuple[int, ...]] = set()
         mix = []
         for prompt in drawn:
-            ids = list(render(tokenizer, prompt))
+            ids = list(render_prompt(tokenizer, prompt))
             if len(mix) < mix_size:
                 mix.append(ids)
             group = families.get(prompt.task)

@@ -99,12 +99,7 @@ class TextConfig:
     def __post_init__(self) -> None:
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_hidden_layers)
-        self.rope_parameters = {
-            kind: params if isinstance(params, RopeParameters) else RopeParameters(**params)
-            for kind, params in self.rope_parameters.items()
-        }
-        for kind in LAYER_TYPES:
-            self.rope_parameters.setdefault(kind, RopeParameters())
+        self.rope_parameters = rope_parameters_by_kind(self.rope_parameters)
         if self.eos_token_id is None:
             self.eos_token_id = [2, 7]
         self.validate()
@@ -306,3 +301,13 @@ def read_config_json(directory: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path} is not valid JSON: {error}") from None
+
+
+def rope_parameters_by_kind(parameters: dict) -> dict[str, RopeParameters]:
+    """`RopeParameters` for every attention kind, from instances or their JSON dicts; kinds
+    not given get the defaults."""
+    result = {kind: params if isinstance(params, RopeParameters) else RopeParameters(**params)
+              for kind, params in parameters.items()}
+    for kind in LAYER_TYPES:
+        result.setdefault(kind, RopeParameters())
+    return result

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from muse.config import (FULL, LAYER_TYPES, SLIDING, ConfigError, RopeParameters, TextConfig,
-                         read_config_json, write_config_json)
+                         read_config_json, rope_parameters_by_kind, write_config_json)
 
 DRAFTER_MODEL_TYPE = "muse_drafter"
 DRAFTER_ARCHITECTURE = "MuseDrafter"
@@ -96,12 +96,7 @@ class DrafterConfig:
             # Draft layers are few and see a short context window of their own: global by default.
             self.layer_types = [FULL] * self.num_hidden_layers
         self.target_layer_ids = list(self.target_layer_ids)
-        self.rope_parameters = {
-            kind: params if isinstance(params, RopeParameters) else RopeParameters(**params)
-            for kind, params in self.rope_parameters.items()
-        }
-        for kind in LAYER_TYPES:
-            self.rope_parameters.setdefault(kind, RopeParameters())
+        self.rope_parameters = rope_parameters_by_kind(self.rope_parameters)
         self.validate()
 
     def validate(self) -> None:
