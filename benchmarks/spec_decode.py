@@ -21,8 +21,8 @@ chat template as `LLM.chat` renders them.
    the speedup over plain, and output tokens/s per request (at C = 1: one user's rate).
 
 Each setting runs on its own engine, built in turn and freed before the next. Prefix caching is
-off unless --enable-prefix-caching: with it, repeated and warm-up prompts would hit the cache,
-and a drafter has no context rows for cached positions (its drafts there are worse).
+off unless --enable-prefix-caching: with it, repeated and warm-up prompts would hit the cache
+and the timed runs would skip their prefill.
 
     python benchmarks/spec_decode.py --out results/spec-decode-muse-spark-default.json
     python benchmarks/spec_decode.py --device cpu --num-prompts 2 --max-tokens 8 \\

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode and verify steps.
 
 A decode step runs a few dozen small kernels per layer; at small batches the GPU finishes each
 in microseconds and the host's launches set the pace. So the decode forward of each batch-size
@@ -9,6 +9,12 @@ Padding rows decode token 0 at position 0 against the null block (block 0 of eve
 whose slot they also write: real requests never read the null block unmasked, so padding
 changes nothing they see. Steps the graphs do not cover (prefill chunks, batches larger than
 the largest bucket, block tables wider than captured) run eagerly.
+
+Speculative decoding verifies up to 1 + k tokens per request. Its graphs (`query_len` 1 + k)
+give every request 1 + k query rows: a request with fewer tokens is padded after its last
+one by tokens that write the null block's slot and whose positions continue its own. Its
+context length counts them, so its real queries keep their positions and see only real keys
+(causal), and only padding queries read the slots they would have filled.
 """
 
 from __future__ import annotations
@@ -34,38 +40,45 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  table_widths: dict[str, int], max_batch: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, query_len: int = 1) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.query_len = query_len
         self.buckets = batch_buckets(max_batch)
         size = self.buckets[-1]
+        tokens = size * query_len
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.long, device=device)
 
-        # The per-request inputs are rows of one tensor, so a step fills them in one copy.
+        # The inputs are rows of two tensors (per token, per request), so a step fills them
+        # in one copy.
         kinds = list(table_widths)
-        self.rows = zeros(3 + 2 * len(kinds), size)
-        self.input_ids, self.positions, self.seq_lens = self.rows[0], self.rows[1], self.rows[2]
-        self.seq_lens.fill_(1)
-        self.slots = {kind: self.rows[3 + 2 * i] for i, kind in enumerate(kinds)}
-        self.first_blocks = {kind: self.rows[4 + 2 * i] for i, kind in enumerate(kinds)}
-        self.token_request = torch.arange(size, device=device)
-        self.query_start = torch.arange(size + 1, device=device)
+        self.token_rows = zeros(2 + len(kinds), tokens)
+        self.input_ids, self.positions = self.token_rows[0], self.token_rows[1]
+        self.slots = {kind: self.token_rows[2 + i] for i, kind in enumerate(kinds)}
+        self.request_rows = zeros(1 + len(kinds), size)
+        self.seq_lens = self.request_rows[0]
+        self.seq_lens.fill_(query_len)
+        self.first_blocks = {kind: self.request_rows[1 + i] for i, kind in enumerate(kinds)}
+        self.token_request = torch.arange(size, device=device).repeat_interleave(query_len)
+        self.query_start = torch.arange(size + 1, device=device) * query_len
         self.tables = {kind: zeros(size, width) for kind, width in table_widths.items()}
+        self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, BatchMetadata]:
-        kinds = {kind: KindMetadata(self.slots[kind][:size], self.tables[kind][:size],
+        tokens = size * self.query_len
+        kinds = {kind: KindMetadata(self.slots[kind][:tokens], self.tables[kind][:size],
                                     self.first_blocks[kind][:size]) for kind in self.slots}
         meta = BatchMetadata(
-            positions=self.positions[:size], token_request=self.token_request[:size],
+            positions=self.positions[:tokens], token_request=self.token_request[:tokens],
             query_start=self.query_start[:size + 1], seq_lens=self.seq_lens[:size],
-            max_query_len=1, kinds=kinds, block_size=self.block_size)
-        return self.input_ids[:size], meta
+            max_query_len=self.query_len, kinds=kinds, block_size=self.block_size)
+        return self.input_ids[:tokens], meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -82,16 +95,20 @@ class DecodeGraphs:
                 hidden = self.model(input_ids, meta, self.kv_caches)
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batches of %s in %.1f s",
+        logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
+                    "decode" if self.query_len == 1 else f"{self.query_len}-token verify",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
 
     def covers(self, batch: HostBatch) -> bool:
-        return (batch.is_decode and batch.num_requests <= self.buckets[-1]
+        # A step of one token per request takes the decode graphs, not the verify ones.
+        return ((batch.max_query_len == 1) == (self.query_len == 1)
+                and batch.max_query_len <= self.query_len
+                and batch.num_requests <= self.buckets[-1]
                 and all(batch.table_width(kind) <= table.shape[1]
                         for kind, table in self.tables.items()))
 
     def prepare(self, batch: HostBatch) -> int | None:
-        """Copy a decode step's metadata into the static buffers, padded to its bucket.
+        """Copy a step's metadata into the static buffers, padded to its bucket.
 
         Returns the bucket size, or None when the graphs do not cover the step."""
         if not self.covers(batch):
@@ -99,29 +116,63 @@ class DecodeGraphs:
         count = batch.num_requests
         size = next(s for s in self.buckets if s >= count)
         pad = [0] * (size - count)
-        rows = [batch.input_ids + pad, batch.positions + pad, batch.seq_lens + [1] * len(pad)]
-        for kind in self.slots:
-            rows += [batch.slots[kind] + pad, batch.first_blocks[kind] + pad]
+        if self.query_len == 1:
+            token_rows = [batch.input_ids + pad, batch.positions + pad]
+            token_rows += [batch.slots[kind] + pad for kind in self.slots]
+            seq_lens = batch.seq_lens + [1] * len(pad)
+            real_rows = []
+        else:
+            token_rows, seq_lens, real_rows = self._padded_queries(batch, size)
+        request_rows = [seq_lens] + [batch.first_blocks[kind] + pad for kind in self.slots]
         # Only the table columns this step uses are rewritten: entries past a request's length
         # are masked by position, so stale block ids there are never read.
         widths = {kind: batch.table_width(kind) for kind in self.tables}
         tables = [value for kind, width in widths.items()
                   for table in batch.tables[kind] + [[]] * len(pad)
                   for value in table + [0] * (width - len(table))]
-        staged = to_device([value for row in rows for value in row] + tables, self.device)
-        self.rows[:, :size].copy_(staged[:len(rows) * size].view(len(rows), size))
-        offset = len(rows) * size
+        tokens = size * self.query_len
+        staged = to_device([value for row in token_rows + request_rows for value in row]
+                           + tables + real_rows, self.device)
+        offset = len(token_rows) * tokens
+        self.token_rows[:, :tokens].copy_(staged[:offset].view(len(token_rows), tokens))
+        self.request_rows[:, :size].copy_(
+            staged[offset:offset + len(request_rows) * size].view(len(request_rows), size))
+        offset += len(request_rows) * size
         for kind, width in widths.items():
             self.tables[kind][:size, :width].copy_(
                 staged[offset:offset + size * width].view(size, width))
             offset += size * width
+        self.real_rows[:len(real_rows)].copy_(staged[offset:])
         return size
 
-    def replay(self, size: int, count: int) -> torch.Tensor:
-        """Hidden states [count, hidden] of the step `prepare` filled the buffers for.
+    def _padded_queries(self, batch: HostBatch, size: int
+                        ) -> tuple[list[list[int]], list[int], list[int]]:
+        """Per-token rows with every request's tokens padded to `query_len`, the padded
+        context lengths, and the padded row of each real token."""
+        q, starts = self.query_len, batch.query_start
+        input_ids, positions, real_rows = [], [], []
+        slots: dict[str, list[int]] = {kind: [] for kind in self.slots}
+        seq_lens = []
+        for r in range(size):
+            first, end = (starts[r], starts[r + 1]) if r < batch.num_requests else (0, 0)
+            extra = q - (end - first)
+            input_ids += batch.input_ids[first:end] + [0] * extra
+            last = batch.positions[end - 1] if end > first else -1
+            positions += batch.positions[first:end] + list(range(last + 1, last + 1 + extra))
+            for kind, rows in slots.items():
+                rows += batch.slots[kind][first:end] + [0] * extra
+            seq_lens.append(last + 1 + extra)
+            real_rows += range(r * q, r * q + end - first)
+        return [input_ids, positions, *slots.values()], seq_lens, real_rows
 
-        The result is a view of the graph's output, valid until the next replay."""
+    def replay(self, size: int, batch: HostBatch) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step `prepare` filled the buffers for.
+
+        The result is a view of the graph's output, valid until the next replay (or, for
+        verify graphs, a gather of its real rows)."""
         graph, hidden = self.graphs[size]
         graph.replay()
         self.replays += 1
-        return hidden[:count]
+        if self.query_len == 1:
+            return hidden[:batch.num_requests]
+        return hidden.index_select(0, self.real_rows[:batch.num_tokens])

@@ -28,6 +28,7 @@ from muse.engine.sampling_params import InvalidRequestError, SamplingParams, val
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
+from muse.speculative.draft_kv import draft_block_bytes
 from muse.speculative.metrics import SpecDecodingStats
 from muse.speculative.adaptive import (AcceptanceTracker, StepCostModel, choose_draft_lengths,
                                       survival)
@@ -136,10 +137,13 @@ class EngineCore:
         # more).
         budget = shared_kv_budget(self.model, args, self.device, self.dtype) \
             * args.parallel_config().pipeline_parallel_size
+        drafter = self.proposer.drafter if isinstance(self.proposer, DrafterProposer) else None
         num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
                                   args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len or self.config.max_position_embeddings,
-                                  self.model.num_kv_heads)
+                                  self.model.num_kv_heads,
+                                  draft_block_bytes(drafter.config, args.block_size, self.dtype)
+                                  if drafter is not None else 0)
         if min(num_blocks.values()) < 2:
             raise ValueError(f"a KV cache budget of {budget / 2**20:.1f} MiB is too small for "
                              "this model; raise `kv_cache_memory_bytes` or "
@@ -148,8 +152,12 @@ class EngineCore:
         self.max_model_len = self._check_capacity(num_blocks)
         kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size, self.dtype,
                                        self.device)
+        if drafter is not None:
+            self.proposer.allocate(self.model, num_blocks, args.block_size,
+                                   lambda request: self.kv_cache.block_tables(request),
+                                   self.device)
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             self._decode_graphs(kv_caches))
+                             *self._graphs(kv_caches))
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
@@ -287,23 +295,33 @@ class EngineCore:
                                  "give it more memory or lower `max_num_batched_tokens`")
         return max_len
 
-    def _decode_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                       ) -> DecodeGraphs | None:
-        """Captured decode graphs, on CUDA unless `enforce_eager`."""
-        # With a drafter every step must capture the target's hidden states: eager for now.
-        if (self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1
-                or isinstance(self.proposer, DrafterProposer)):
-            return None
-        block_size = self.args.block_size
-        widths = {kind: -(-self.max_model_len // block_size) for kind in self.num_blocks}
-        if SLIDING in widths:
-            # A decode query needs the blocks of its window, which straddles at most two more.
-            widths[SLIDING] = min(widths[SLIDING],
-                                  -(-self.config.sliding_window // block_size) + 2)
-        graphs = DecodeGraphs(self.model, kv_caches, widths, self.args.max_num_seqs,
-                              block_size, self.device)
-        graphs.capture()
-        return graphs
+    def _graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[DecodeGraphs | None, DecodeGraphs | None]:
+        """Captured decode graphs and, with speculation, verify graphs (and the drafter's),
+        on CUDA unless `enforce_eager`."""
+        if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
+            return None, None
+        block_size, max_batch = self.args.block_size, self.args.max_num_seqs
+        full_width = -(-self.max_model_len // block_size)
+
+        def capture(query_len: int) -> DecodeGraphs:
+            widths = {kind: full_width for kind in self.num_blocks}
+            if SLIDING in widths:
+                # The queries need the blocks of their windows, which straddle at most two
+                # more than the window and the queries span.
+                span = self.config.sliding_window + query_len - 1
+                widths[SLIDING] = min(full_width, -(-span // block_size) + 2)
+            graphs = DecodeGraphs(self.model, kv_caches, widths, max_batch, block_size,
+                                  self.device, query_len)
+            graphs.capture()
+            return graphs
+
+        decode = capture(1)
+        if self.speculative is None:
+            return decode, None
+        if isinstance(self.proposer, DrafterProposer):
+            self.proposer.capture_graphs(max_batch, full_width, self.device)
+        return decode, capture(1 + self.speculative.num_speculative_tokens)
 
     # ---- requests ------------------------------------------------------------------------
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -547,12 +565,9 @@ class EngineCore:
             tokens = {r: [t] for r, t in zip(step.sampled, step.token_values())}
             logprobs = {r: [lp] for r, lp in zip(step.sampled, step.logprobs)}
         changed = []
-        # (request, its first row in the step, rows committed): what a drafter learns from.
-        committed: list[tuple[Request, int, int]] = []
-        row = 0
+        committed: list[Request] = []  # requests whose tokens this step computed
         for item, start in zip(step.scheduled, step.starts):
             request = item.request
-            first_row, row = row, row + item.num_new_tokens
             if request.is_finished:
                 continue  # aborted, or ended by the step before while this one ran
             if request.request_id in step.prompt_logprobs:
@@ -565,7 +580,7 @@ class EngineCore:
                 request.prompt_logprobs.extend(entries[max(known, 0):])
             if request not in tokens:
                 self.kv_cache.on_computed(request)
-                committed.append((request, first_row, request.num_computed_tokens - start))
+                committed.append(request)
                 continue
             reason = None
             for token, token_logprobs in zip(tokens[request], logprobs[request]):
@@ -582,13 +597,13 @@ class EngineCore:
                 request.spec_token_ids, request.spec_token_probs = [], None
             # After the append: the step launched since may already count this token computed.
             self.kv_cache.on_computed(request)
-            committed.append((request, first_row, request.num_computed_tokens - start))
+            committed.append(request)
             if reason is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED, reason)
                 self._forget_if_done(request.group_id)
             changed.append(request)
         if self.proposer is not None:
-            self.proposer.observe(committed, self.model.captured_hidden)
+            self.proposer.observe(committed)
         return changed
 
     def finish_request(self, request: Request, reason: str,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from muse.config import SLIDING, TextConfig
+from muse.config import FULL, SLIDING, TextConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
@@ -20,8 +20,12 @@ def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype,
 
 def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.dtype,
                  max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_kv_heads: int | None = None) -> dict[str, int]:
+                 max_model_len: int, num_kv_heads: int | None = None,
+                 draft_block_bytes: int = 0) -> dict[str, int]:
     """Blocks per kind (the null block included).
+
+    `draft_block_bytes`: what each global-attention block also holds elsewhere (a drafter's
+    context rows, which share the global layers' block tables).
 
     Sliding layers never hold more tokens than global ones, and each running request keeps at
     most a window plus the chunk it computes; the sliding pool gets that much for every
@@ -30,6 +34,8 @@ def split_blocks(config: TextConfig, budget: int, block_size: int, dtype: torch.
     model on a large GPU would otherwise take all its memory for blocks nobody can use.
     """
     sizes = block_bytes(config, block_size, dtype, num_kv_heads)
+    if FULL in sizes:
+        sizes[FULL] += draft_block_bytes
     most = max_num_seqs * -(-max_model_len // block_size) + 1
     if len(sizes) == 1:
         (kind, size), = sizes.items()

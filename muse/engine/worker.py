@@ -31,12 +31,14 @@ PendingInputs = tuple[list[int], list[int]]
 class ModelWorker:
     def __init__(self, model: EngineModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, block_size: int,
-                 decode_graphs: DecodeGraphs | None = None) -> None:
+                 decode_graphs: DecodeGraphs | None = None,
+                 verify_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
         self.decode_graphs = decode_graphs
+        self.verify_graphs = verify_graphs  # speculative decoding's 1 + k tokens per request
         # Pipeline steps run, by their number of micro-batches.
         self.micro_batch_steps: Counter[int] = Counter()
         self.context_parallel_steps = 0  # steps whose tokens were split over the PCP ranks
@@ -162,11 +164,14 @@ class ModelWorker:
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits."""
-        if self.decode_graphs is not None:
-            size = self.decode_graphs.prepare(batch)
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            # Pending inputs come with the overlapped schedule, which speculation turns off.
+            if graphs is None or (graphs.query_len > 1 and pending[0]):
+                continue
+            size = graphs.prepare(batch)
             if size is not None:
-                self._fill_pending(self.decode_graphs.input_ids, pending, previous_tokens)
-                return self.decode_graphs.replay(size, batch.num_requests)
+                self._fill_pending(graphs.input_ids, pending, previous_tokens)
+                return graphs.replay(size, batch)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:
             return self._forward_context_parallel(batch)

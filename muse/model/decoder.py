@@ -11,6 +11,7 @@ reference decoder (`muse.reference`) computes the same function and is the tests
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -109,10 +110,11 @@ class EngineModel(nn.Module):
         self._rope = {kind: inverse_frequencies(config.rope_parameters[kind], config.head_dim)
                       for kind in LAYER_TYPES}
         self._rope_on_device: dict[torch.device, dict[str, tuple[torch.Tensor, float]]] = {}
-        # Speculative decoding with a drafter: the outputs of these layers (global indices)
-        # are kept, concatenated per token, in `captured_hidden` after each forward.
+        # Speculative decoding with a drafter: the outputs of these layers (global indices),
+        # concatenated per token, go to `context_writer` at the end of each forward (the
+        # drafter's context rows; inside the CUDA graphs too).
         self.capture_layers: tuple[int, ...] = ()
-        self.captured_hidden: torch.Tensor | None = None
+        self.context_writer: Callable[[torch.Tensor, BatchMetadata], None] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -171,8 +173,8 @@ class EngineModel(nn.Module):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
             if int(index) in self.capture_layers:
                 captured.append(x + residual)  # the layer's output, as the reference's
-        if self.capture_layers:
-            self.captured_hidden = torch.cat(captured, dim=-1)
+        if self.context_writer is not None:
+            self.context_writer(torch.cat(captured, dim=-1), meta)
         if not self.is_last_stage:
             return x, residual
         if meta.context_parallel is not None:

@@ -36,7 +36,7 @@ from muse.checkpoint.reader import CheckpointReader
 from muse.checkpoint.writer import TensorSpec, dtype_name, write_tensors
 from muse.reference.layers import DenseMLP, RMSNorm
 from muse.reference.model import init_weights
-from muse.rope import apply_rotary, rotary_cos_sin
+from muse.rope import apply_rotary, cos_sin, inverse_frequencies
 from muse.speculative.drafter_config import DrafterConfig
 
 IGNORE_INDEX = -100
@@ -432,6 +432,7 @@ class MuseDrafter(nn.Module):
         # A tuple is not registered by nn.Module: the target's weights stay out of the
         # drafter's parameters, state dict and optimizer.
         self._target: tuple[Embed, LMHead] | None = None
+        self._rope: dict[tuple[torch.device, str], tuple[torch.Tensor, float]] = {}
 
     def bind_target(self, embed_tokens: Embed, lm_head: LMHead) -> MuseDrafter:
         self._target = (embed_tokens, lm_head)
@@ -497,8 +498,7 @@ class MuseDrafter(nn.Module):
         """
         self.append_context(caches, target_hidden, context_positions, num_new_rows)
         device = anchor_tokens.device
-        requests, length = anchor_tokens.shape[0], self.config.block_size
-        longest = max(cache.num_rows for cache in caches)
+        requests, longest = anchor_tokens.shape[0], max(cache.num_rows for cache in caches)
         context_valid = torch.zeros(requests, longest, dtype=torch.bool, device=device)
         context_pos = torch.zeros(requests, longest, dtype=torch.long, device=device)
         for r, cache in enumerate(caches):
@@ -507,14 +507,26 @@ class MuseDrafter(nn.Module):
         padded = [(_pad_rows([c.keys[i] for c in caches], longest),
                    _pad_rows([c.values[i] for c in caches], longest))
                   for i in range(len(self.layers))]
+        return self.draft_blocks(anchor_tokens, anchor_positions, context_pos, context_valid,
+                                 lambda index, layer: padded[index], temperature, generator)
 
+    def draft_blocks(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
+                     context_positions: torch.Tensor, context_valid: torch.Tensor,
+                     context_kv: Callable[[int, DraftLayer], tuple[torch.Tensor, torch.Tensor]],
+                     temperature: float | torch.Tensor = 0.0,
+                     generator: torch.Generator | None = None) -> DraftProposal:
+        """One block per request over given context rows: context_positions, context_valid
+        [R, Lc]; context_kv(i, layer) gives draft layer i's keys and values [R, Lc, ...].
+        Only tensor operations of fixed shapes, so a CUDA graph can hold it."""
+        device = anchor_tokens.device
+        requests, length = anchor_tokens.shape[0], self.config.block_size
         block_ids = torch.full((requests, length), self.config.mask_token_id, device=device)
         block_ids[:, 0] = anchor_tokens
         block_positions = anchor_positions[:, None] + torch.arange(length, device=device)
         hidden = self._run_blocks(
             block_ids, block_positions, query_blocks=torch.zeros_like(block_positions),
-            context_positions=context_pos, context_valid=context_valid,
-            context_kv=lambda index, layer: padded[index])
+            context_positions=context_positions, context_valid=context_valid,
+            context_kv=context_kv)
         temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=device)
         temperatures = temperatures.expand(requests)
         return self._walk(hidden[:, 1:], anchor_tokens, temperatures, generator)
@@ -584,8 +596,14 @@ class MuseDrafter(nn.Module):
 
     def _rotary(self, positions: torch.Tensor, layer_type: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(positions, self.config.rope_parameters[layer_type],
-                              self.config.head_dim)
+        # The frequencies move to the device once: a copy from the host cannot sit inside a
+        # captured CUDA graph, and the eager warm-up run before a capture fills this cache.
+        key = (positions.device, layer_type)
+        if key not in self._rope:
+            inv_freq, scale = inverse_frequencies(self.config.rope_parameters[layer_type],
+                                                  self.config.head_dim)
+            self._rope[key] = (inv_freq.to(positions.device), scale)
+        return cos_sin(positions, *self._rope[key])
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self._target is None:
@@ -656,12 +674,12 @@ class MuseDrafter(nn.Module):
                 candidates = logits.topk(self.candidate_selector.top_k, dim=-1).indices
                 scores = self.candidate_selector.pair_scores(logits, state, previous, candidates)
                 local = _draft_distribution(scores, temperature)
-                choice = torch.multinomial(local, 1, generator=generator)
-                token = candidates.gather(1, choice).squeeze(1)
+                choice = _draw(local, generator)
+                token = candidates.gather(1, choice[:, None]).squeeze(1)
                 probs[:, slot].scatter_(1, candidates, local)
             else:
                 probs[:, slot] = _draft_distribution(logits, temperature)
-                token = torch.multinomial(probs[:, slot], 1, generator=generator).squeeze(1)
+                token = _draw(probs[:, slot], generator)
             tokens[:, slot] = token
             previous = token
         confidence = None
@@ -669,6 +687,14 @@ class MuseDrafter(nn.Module):
             previous_tokens = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)
             confidence = self._confidence(hidden, previous_tokens)
         return DraftProposal(tokens=tokens, probs=probs, confidence=confidence)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of `probs` [R, n], drawn from it: the largest p_i / E_i with E_i
+    exponential (exact, and unlike `multinomial` free of host syncs, so graphs can hold it).
+    A zero-probability entry scores 0 even where E_i is 0."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.where(probs > 0, probs / noise, 0.0).argmax(dim=-1)
 
 
 def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:

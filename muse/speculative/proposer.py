@@ -1,17 +1,17 @@
 """Who proposes each step's drafts: the n-gram lookup, or the block-diffusion drafter.
 
 Both answer `propose(requests, rooms)` with, per request, up to `room` draft tokens and the
-exact distribution q they were drawn from (None: one-hot). The drafter also learns, after each
-step, the target's hidden states at its layers for the tokens the step committed (`observe`):
-they become its context rows. A request's next block is anchored on its last token, whose
-target hidden state is computed by the step that verifies the block.
+exact distribution q they were drawn from (None: one-hot), and see after each step the requests
+whose tokens it committed (`observe`). The drafter reads its context rows from the draft KV
+group, which the target's forward fills (`draft_kv.py`). A request's next block is anchored on
+its last token, whose target hidden state is computed by the step that verifies the block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +19,10 @@ from muse.engine.args import EngineArgs
 from muse.engine.request import Request
 from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
-from muse.speculative.drafter import ContextCache, MuseDrafter, load_drafter
+from muse.engine.transfer import to_device
+from muse.speculative.draft_graphs import DraftGraphs
+from muse.speculative.draft_kv import DraftKV
+from muse.speculative.drafter import MuseDrafter, load_drafter
 from muse.speculative.ngram import WINDOW, propose_ngram
 from muse.speculative.suffix import SuffixProposer
 
@@ -43,58 +46,48 @@ class NgramProposer:
                                      room, config.prompt_lookup_min, config.prompt_lookup_max))
                 for r, room in zip(requests, rooms)]
 
-    def observe(self, committed: list[tuple[Request, int, int]],
-                features: torch.Tensor | None) -> None:
+    def observe(self, committed: list[Request]) -> None:
         """Nothing to learn from the target."""
 
     def retain(self, request_ids: set[str]) -> None:
         """Nothing kept per request."""
 
 
-@dataclass
-class _Context:
-    cache: ContextCache
-    next_position: int  # the position its next row should have
-    num_preemptions: int
-    # Rows committed since the last proposal: (features [n, K*d], positions [n]).
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
 class DrafterProposer:
-    """The drafter over every running request, with a context cache per request."""
+    """The drafter over every running request, reading its context rows from the draft KV
+    group (`DraftKV`), which the engine allocates once it has sized its cache (`allocate`)."""
 
     def __init__(self, drafter: MuseDrafter, config: SpeculativeConfig) -> None:
         self.drafter = drafter
         self.config = config
-        self.contexts: dict[str, _Context] = {}
+        self.kv: DraftKV | None = None
+        self.graphs: DraftGraphs | None = None
+        self.block_tables: Callable[[Request], dict[str, list[int]]] | None = None
 
-    def observe(self, committed: list[tuple[Request, int, int]],
-                features: torch.Tensor | None) -> None:
-        """`committed`: (request, first row in `features`, number of rows) of the tokens a
-        step committed, whose rows of `features` [step tokens, K*d] are their target hidden
-        states, at positions `request.num_computed_tokens - count` onwards."""
-        if features is None:
-            return
-        for request, row, count in committed:
-            if count == 0:
-                continue
-            first = request.num_computed_tokens - count
-            context = self.contexts.get(request.request_id)
-            if (context is None or first < context.next_position
-                    or context.num_preemptions != request.num_preemptions):
-                # New, or recomputed from the start after a preemption: a fresh cache. Rows
-                # served by the prefix cache were never seen here; the drafter then works
-                # from the rows it has (drafts may be worse, never wrong).
-                context = _Context(self.drafter.new_cache(features.device), first,
-                                   request.num_preemptions)
-                self.contexts[request.request_id] = context
-            positions = torch.arange(first, first + count, device=features.device)
-            context.pending.append((features[row:row + count], positions))
-            context.next_position = first + count
+    def allocate(self, model: EngineModel, num_blocks: dict[str, int], block_size: int,
+                 block_tables: Callable[[Request], dict[str, list[int]]],
+                 device: torch.device) -> DraftKV:
+        """The draft KV group beside the target's cache; the target's forward fills it."""
+        if DraftKV.kind not in num_blocks:
+            raise ValueError("a drafter keeps its context rows in the pages of the target's "
+                             "global-attention layers, and this model has none")
+        self.kv = DraftKV(self.drafter, num_blocks[DraftKV.kind], block_size, device)
+        self.block_tables = block_tables
+        model.context_writer = self.kv.write
+        return self.kv
+
+    def capture_graphs(self, max_batch: int, table_width: int, device: torch.device) -> None:
+        self.graphs = DraftGraphs(self.kv, max_batch, table_width, device)
+        self.graphs.capture()
+
+    def observe(self, committed: list[Request]) -> None:
+        """Nothing to learn: the target's forward wrote the context rows."""
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Nothing kept per request."""
 
     def propose(self, requests: list[Request], rooms: list[int]) -> list[Drafts]:
-        active = [(r, room) for r, room in zip(requests, rooms)
-                  if room > 0 and r.request_id in self.contexts]
+        active = [(r, room) for r, room in zip(requests, rooms) if room > 0]
         proposals: dict[str, Drafts] = {}
         # A seeded request draws its drafts from its own generator, alone, so that its
         # output does not depend on the batch; the others draft together.
@@ -108,30 +101,28 @@ class DrafterProposer:
 
     def _propose(self, active: list[tuple[Request, int]],
                  generator: torch.Generator | None) -> dict[str, Drafts]:
-        contexts = [self.contexts[r.request_id] for r, _ in active]
-        device = self.drafter.fc.weight.device
-        features = [f for c in contexts for f, _ in c.pending]
-        positions = [p for c in contexts for _, p in c.pending]
-        width = self.drafter.config.num_target_features * self.drafter.config.hidden_size
-        counts = [sum(f.shape[0] for f, _ in c.pending) for c in contexts]
-        anchors = torch.tensor([r.token_ids(r.num_tokens - 1, r.num_tokens)[0]
-                                for r, _ in active], device=device)
-        anchor_positions = torch.tensor([r.num_tokens - 1 for r, _ in active], device=device)
+        anchors = [r.token_ids(r.num_tokens - 1, r.num_tokens)[0] for r, _ in active]
+        positions = [r.num_tokens - 1 for r, _ in active]
+        # The blocks holding each request's context rows: those before its anchor.
+        tables = [self.block_tables(r)[DraftKV.kind][:max(1, -(-position // self.kv.block_size))]
+                  for (r, _), position in zip(active, positions)]
         temperatures = [self._draft_temperature(r) for r, _ in active]
-        proposal = self.drafter.propose(
-            torch.cat(features).to(self.drafter.dtype) if features
-            else torch.empty(0, width, dtype=self.drafter.dtype, device=device),
-            torch.cat(positions) if positions
-            else torch.empty(0, dtype=torch.long, device=device),
-            counts, anchors, anchor_positions, [c.cache for c in contexts],
-            torch.tensor(temperatures, device=device), generator)
-        for context in contexts:
-            context.pending.clear()
+        width = max(len(table) for table in tables)
+        if (generator is None and self.graphs is not None
+                and self.graphs.covers(len(active), width)):
+            size = self.graphs.prepare(anchors, positions, tables, temperatures)
+            proposal = self.graphs.replay(size, len(active))
+        else:
+            device = self.kv.pools[0][0].device
+            proposal = self.kv.propose(
+                to_device(anchors, device), to_device(positions, device),
+                to_device([t + [0] * (width - len(t)) for t in tables], device),
+                to_device(temperatures, device, torch.float32), generator)
         tokens = proposal.tokens.tolist()
         confidence = proposal.confidence.tolist() if proposal.confidence is not None else None
         return {request.request_id: Drafts(
             tokens[index][:room],
-            proposal.probs[index, :room] if temperatures[index] > 0 else None,
+            proposal.probs[index, :room].clone() if temperatures[index] > 0 else None,
             confidence[index][:room] if confidence is not None else None)
             for index, (request, room) in enumerate(active)}
 
@@ -142,11 +133,6 @@ class DrafterProposer:
         if self.config.draft_sample_method != "probabilistic" or params.greedy:
             return 0.0
         return params.temperature
-
-    def retain(self, request_ids: set[str]) -> None:
-        """Drop the contexts of requests no longer running (finished, aborted, preempted)."""
-        for request_id in [i for i in self.contexts if i not in request_ids]:
-            del self.contexts[request_id]
 
 
 def make_proposer(config: SpeculativeConfig, model: EngineModel, args: EngineArgs,
@@ -172,5 +158,5 @@ def make_proposer(config: SpeculativeConfig, model: EngineModel, args: EngineArg
     layers = tuple(drafter.config.target_layer_ids)
     if list(layers) != sorted(set(layers)):
         raise ValueError(f"the drafter's target_layer_ids {list(layers)} must increase")
-    model.capture_layers = layers
+    model.capture_layers = layers  # their outputs feed `DrafterProposer.allocate`'s writer
     return DrafterProposer(drafter, config)

@@ -20,6 +20,7 @@ import torch
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_processing,
                                  filtered_probabilities, token_logprobs)
+from muse.engine.sampling_params import SamplingParams
 from muse.speculative.verification import verify_block, verify_greedy, verify_tokenwise
 
 
@@ -32,9 +33,9 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     (None: one-hot). Returns each request's emitted tokens (its t accepted drafts, then one
     more) and their logprobs (None where not asked for)."""
     device = logits.device
-    expanded = [replace(row, output_token_ids=row.output_token_ids + draft[:i])
-                for row, draft in zip(rows, drafts) for i in range(len(draft) + 1)]
-    processed = apply_logit_processing(logits, expanded)
+    expanded = [row_i for row, draft in zip(rows, drafts) for row_i in _draft_rows(row, draft)]
+    processed = apply_logit_processing(logits, expanded) \
+        if any(_processes_logits(row.params) for row in rows) else logits
     starts = [0]
     for draft in drafts:
         starts.append(starts[-1] + len(draft) + 1)
@@ -67,6 +68,29 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     counts, tokens = accepted.tolist(), outputs.tolist()
     emitted = [tokens[r][:counts[r] + 1] for r in range(num_requests)]
     return emitted, _logprobs(logits, rows, starts, emitted)
+
+
+def _processes_logits(params: SamplingParams) -> bool:
+    """Whether `apply_logit_processing` changes anything for a request with these params."""
+    return bool(params.logit_bias) or params.min_tokens > 0 or _uses_output(params)
+
+
+def _uses_output(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def _draft_rows(row: SamplingRow, draft: list[int]) -> list[SamplingRow]:
+    """The request's row for each of its g + 1 logits rows: the i-th as if drafts 1..i had
+    been sampled. Only penalties read the output tokens themselves (copied per row); the
+    others just count them, and rows that do neither share the request's row."""
+    if _uses_output(row.params):
+        return [replace(row, output_token_ids=row.output_token_ids + draft[:i])
+                for i in range(len(draft) + 1)]
+    if row.params.min_tokens > 0:
+        return [replace(row, num_pending_tokens=row.num_pending_tokens + i)
+                for i in range(len(draft) + 1)]
+    return [row] * (len(draft) + 1)
 
 
 def _draft_distributions(draft_probs: list[torch.Tensor | None] | None,

@@ -523,10 +523,10 @@ class SuffixProposer:
             proposals.append(Drafts(tokens))
         return proposals
 
-    def observe(self, committed: list[tuple[Request, int, int]], features: Any) -> None:
-        """Nothing to learn from the target; requests are noted here so that one finishing
-        before its first proposal still leaves its output to the shared index."""
-        for request, _, _ in committed:
+    def observe(self, committed: list[Request]) -> None:
+        """Requests whose tokens a step committed are noted here, so that one finishing before
+        its first proposal still leaves its output to the shared index."""
+        for request in committed:
             self._track(request)
 
     def retain(self, request_ids: set[str]) -> None:

@@ -78,3 +78,41 @@ def test_padded_graph_inputs_give_the_eager_hidden_states():
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     # The tiny preset has both kinds of layers, so both kinds of tables were padded.
     assert set(widths) == {"sliding_attention", "full_attention"}
+
+
+def test_padded_verify_graph_inputs_give_the_eager_hidden_states():
+    """Verify graphs give every request 1 + k query rows: requests with fewer tokens (some
+    drafts, none at all) are padded after their own tokens, and their real rows still get
+    the hidden states of the unpadded step."""
+    llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", device="cpu",
+              enforce_eager=True, max_num_seqs=8)
+    engine = llm.engine
+    prompts = mixed_prompts(8192, 16, count=3, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    for _ in range(3):
+        engine.step()
+    running = list(engine.scheduler.running)
+    for request, drafts in zip(running, ([5, 6, 7], [], [8])):
+        request.spec_token_ids = drafts
+    scheduled = engine.scheduler.schedule().scheduled
+    assert [item.num_new_tokens for item in scheduled] == [4, 1, 2]
+    runner = engine.runner
+    kv_caches = runner.executor.worker.kv_caches
+    batch = runner._host_batch(scheduled)
+    input_ids, meta = batch.to_device(engine.device, runner.block_size)
+    with torch.inference_mode():
+        eager = engine.model(input_ids, meta, kv_caches)
+
+    widths = {kind: 40 for kind in engine.kv_cache.pools}
+    graphs = DecodeGraphs(engine.model, kv_caches, widths, 8, runner.block_size,
+                          engine.device, query_len=5)
+    assert DecodeGraphs(engine.model, kv_caches, widths, 8, runner.block_size,
+                        engine.device).prepare(batch) is None  # decode graphs: one token
+    size = graphs.prepare(batch)
+    assert size == 4
+    assert graphs.real_rows[:7].tolist() == [0, 1, 2, 3, 5, 10, 11]
+    with torch.inference_mode():
+        padded = engine.model(*graphs._inputs(size), kv_caches)
+    torch.testing.assert_close(padded[graphs.real_rows[:7]], eager, atol=1e-5, rtol=1e-5)

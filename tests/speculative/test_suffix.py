@@ -25,7 +25,7 @@ def _request(request_id: str, prompt: Sequence[int], output: Sequence[int] = ())
 def _finish(proposer: SuffixProposer, *requests: Request) -> None:
     """As the engine does: the last step commits the requests' tokens (observe), then they
     are no longer running (retain)."""
-    proposer.observe([(request, 0, 1) for request in requests], None)
+    proposer.observe(list(requests))
     for request in requests:
         request.status = RequestStatus.FINISHED
     proposer.retain({i for i in proposer.running if i not in {r.request_id for r in requests}})
@@ -83,7 +83,7 @@ def test_output_of_a_request_never_proposed_for_is_cached_through_observe() -> N
     pattern = _unique(900, 6)
     proposer = SuffixProposer()
     done = _request("done", [1, 2, 3], pattern)
-    proposer.observe([(done, 0, 1)], None)
+    proposer.observe([done])
     _finish(proposer, done)
     assert _draft(proposer, _request("next", [4, 5], pattern[:3])) == pattern[3:6]
 
@@ -184,7 +184,7 @@ def test_retain_drops_requests_and_caches_only_finished_outputs() -> None:
     assert proposer.global_index.count_of(_unique(50, 6)) == 1
     assert proposer.global_index.count_of(_unique(80, 2)) == 0
     # A request finishing twice in view (observe after retain) is cached once.
-    proposer.observe([(finished, 0, 1)], None)
+    proposer.observe([finished])
     proposer.retain({"running"})
     assert len(proposer.global_index.sequences) == 1
 
