@@ -13,6 +13,7 @@ model-free speculators are one-hot (q = None). The logprobs of emitted tokens ar
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from muse.engine.request import TokenLogprobs
 from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_processing,
                                  filtered_probabilities, token_logprobs)
 from muse.engine.sampling_params import SamplingParams
+from muse.engine.transfer import to_device
 from muse.speculative.verification import verify_block, verify_greedy, verify_tokenwise
 
 
@@ -33,40 +35,42 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     (None: one-hot). Returns each request's emitted tokens (its t accepted drafts, then one
     more) and their logprobs (None where not asked for)."""
     device = logits.device
+    num_requests, vocab = len(rows), logits.shape[1]
+    width = max(len(d) for d in drafts)
+    starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+    greedy = [row.params.greedy for row in rows]
+    # The rows of each request's logits (its last row repeated past its drafts), the drafts
+    # padded to the widest, their counts and the greedy mask: one copy to the device.
+    index = [min(s + i, e - 1) for s, e in zip(starts, starts[1:]) for i in range(width + 1)]
+    padded = [token for d in drafts for token in d + [0] * (width - len(d))]
+    staged = to_device(index + padded + [len(d) for d in drafts] + greedy, device)
+    index, draft_tokens, num_drafts, greedy_mask = staged.split(
+        [len(index), len(padded), num_requests, num_requests])
+    index = index.view(num_requests, width + 1)
+    draft_tokens = draft_tokens.view(num_requests, width)
+    greedy_mask = greedy_mask.bool()
+
     expanded = [row_i for row, draft in zip(rows, drafts) for row_i in _draft_rows(row, draft)]
     processed = apply_logit_processing(logits, expanded) \
         if any(_processes_logits(row.params) for row in rows) else logits
-    starts = [0]
-    for draft in drafts:
-        starts.append(starts[-1] + len(draft) + 1)
-    width = max(len(d) for d in drafts)
-    num_requests, vocab = len(rows), logits.shape[1]
-    index = torch.tensor([[min(s + i, e - 1) for i in range(width + 1)]
-                          for s, e in zip(starts, starts[1:])], device=device)
-    draft_tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], device=device)
-    num_drafts = torch.tensor([len(d) for d in drafts], device=device)
-
-    greedy = [row.params.greedy for row in rows]
-    accepted = torch.zeros(num_requests, dtype=torch.long, device=device)
-    outputs = torch.zeros(num_requests, width + 1, dtype=torch.long, device=device)
-    if any(greedy):
-        t, out = verify_greedy(processed[index], draft_tokens, num_drafts)
-        mask = torch.tensor(greedy, device=device)
-        accepted = torch.where(mask, t, accepted)
-        outputs = torch.where(mask[:, None], out, outputs)
-    if not all(greedy):
+    if all(greedy):
+        accepted, outputs = verify_greedy(processed[index], draft_tokens, num_drafts)
+    else:
         probs = filtered_probabilities(processed,
                                        RowParameters.from_rows(expanded, vocab, device))
         uniforms, exponentials = _noise(rows, width, vocab, device)
         verify = verify_block if rejection_sample_method == "block" else verify_tokenwise
         q = _draft_distributions(draft_probs, drafts, width, vocab, device)
-        t, out = verify(probs[index], draft_tokens, num_drafts, q, uniforms, exponentials)
-        mask = ~torch.tensor(greedy, device=device)
-        accepted = torch.where(mask, t, accepted)
-        outputs = torch.where(mask[:, None], out, outputs)
+        accepted, outputs = verify(probs[index], draft_tokens, num_drafts, q, uniforms,
+                                   exponentials)
+        if any(greedy):
+            t, out = verify_greedy(processed[index], draft_tokens, num_drafts)
+            accepted = torch.where(greedy_mask, t, accepted)
+            outputs = torch.where(greedy_mask[:, None], out, outputs)
 
-    counts, tokens = accepted.tolist(), outputs.tolist()
-    emitted = [tokens[r][:counts[r] + 1] for r in range(num_requests)]
+    # One read-back: each request's count, then its tokens.
+    result = torch.cat([accepted[:, None], outputs], dim=1).tolist()
+    emitted = [tokens[1:tokens[0] + 2] for tokens in result]
     return emitted, _logprobs(logits, rows, starts, emitted)
 
 
