@@ -6,7 +6,7 @@ engine, which builds it (`muse.engine.metadata.HostBatch.to_device`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,9 @@ class BatchMetadata:
     # batch this step (MoE layers gather every rank's tokens); None otherwise.
     dp_num_tokens: list[int] | None = None
     context_parallel: ContextParallelMetadata | None = None
+    # Views of this step a kernel derives once and every layer reuses (the Triton backend's
+    # one-decode-per-token form of short queries), keyed by the kind's metadata.
+    per_token: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:

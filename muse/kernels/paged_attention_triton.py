@@ -13,6 +13,8 @@ with two kernels chosen by the step's shape:
   attention over the paged keys. One program per (request, query tile, kv head); the tile's
   BLOCK_Q tokens times the group's heads form the M rows. Programs whose tile lies past their
   request's query length exit at once; the key loop stops at the tile's last causal key.
+  Steps whose requests bring at most `SHORT_QUERY_LEN` tokens (speculative verification) run
+  the decode kernel instead, one decode per token.
 
 Both kernels address keys by their position relative to the request's first table block, turn
 it into (table entry, offset in page) and mask by absolute position, so null-block padding and
@@ -22,6 +24,7 @@ inside the window, so blocks that have left the window cost nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -398,4 +401,30 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q = q.contiguous()
     if meta.max_query_len == 1:
         return _decode(q, k_cache, v_cache, meta, kind, sliding_window, scale)
+    if meta.max_query_len <= SHORT_QUERY_LEN:
+        return _decode(q, k_cache, v_cache, *_per_token(meta, kind), sliding_window, scale)
     return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale)
+
+
+# Steps whose requests bring at most this many queries (speculative verification: 1 + k)
+# attend as decodes, one per token. The prefill kernel gives a request one program per kv head
+# and walks its keys alone, which leaves the GPU nearly idle over a long context; the decode
+# kernel splits the keys over the SMs.
+SHORT_QUERY_LEN = 16
+
+
+def _per_token(meta: BatchMetadata, kind: KindMetadata) -> tuple[BatchMetadata, KindMetadata]:
+    """The step as one decode per token: token i sees its request's keys up to its own
+    position (the step's K/V is written before attention), through its request's table."""
+    key = id(kind)
+    cached = meta.per_token.get(key)
+    if cached is None:
+        tokens = meta.positions.shape[0]
+        rows = torch.arange(tokens + 1, device=meta.positions.device)
+        cached = (dataclasses.replace(meta, token_request=rows[:tokens], query_start=rows,
+                                      per_token={},
+                                      seq_lens=meta.positions + 1, max_query_len=1),
+                  KindMetadata(kind.slot_mapping, kind.block_tables[meta.token_request],
+                               kind.first_block[meta.token_request]))
+        meta.per_token[key] = cached  # the layers of one kind share it
+    return cached

@@ -25,9 +25,10 @@ logger = logging.getLogger("muse")
 
 
 class DraftGraphs:
-    def __init__(self, kv: DraftKV, max_batch: int, table_width: int,
-                 device: torch.device) -> None:
+    def __init__(self, kv: DraftKV, max_batch: int, table_width: int, device: torch.device,
+                 greedy: bool = False) -> None:
         self.kv = kv
+        self.greedy = greedy  # every draft the argmax (no q), as `draft_sample_method` greedy
         self.buckets = batch_buckets(max_batch)
         size = self.buckets[-1]
         self.rows = torch.zeros(2, size, dtype=torch.long, device=device)
@@ -40,7 +41,7 @@ class DraftGraphs:
 
     def _propose(self, size: int) -> DraftProposal:
         return self.kv.propose(self.anchors[:size], self.positions[:size], self.tables[:size],
-                               self.temperatures[:size])
+                               None if self.greedy else self.temperatures[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,6 +84,7 @@ class DraftGraphs:
         graph, proposal = self.graphs[size]
         graph.replay()
         self.replays += 1
-        confidence = proposal.confidence
-        return DraftProposal(proposal.tokens[:count], proposal.probs[:count],
+        probs, confidence = proposal.probs, proposal.confidence
+        return DraftProposal(proposal.tokens[:count],
+                             probs[:count] if probs is not None else None,
                              confidence[:count] if confidence is not None else None)

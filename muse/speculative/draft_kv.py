@@ -57,11 +57,12 @@ class DraftKV:
 
     @torch.no_grad()
     def propose(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
-                block_tables: torch.Tensor, temperature: float | torch.Tensor = 0.0,
+                block_tables: torch.Tensor, temperature: float | torch.Tensor | None = 0.0,
                 generator: torch.Generator | None = None) -> DraftProposal:
         """One block per request: anchor_tokens, anchor_positions [R] (each request's last
         committed token), block_tables [R, W] of the shared pool (null block 0 pads). The
-        context is every row before the anchor; the gathered rows past it are masked."""
+        context is every row before the anchor; the gathered rows past it are masked.
+        temperature None: greedy drafts without q."""
         requests, width = block_tables.shape[0], block_tables.shape[1] * self.block_size
         positions = torch.arange(width, device=block_tables.device).expand(requests, width)
         valid = positions < anchor_positions[:, None]

@@ -62,8 +62,9 @@ class ContextCache:
 class DraftProposal:
     tokens: torch.Tensor
     """[R, G] draft token ids."""
-    probs: torch.Tensor
-    """[R, G, V] float32: q, the exact distribution each draft was drawn from."""
+    probs: torch.Tensor | None
+    """[R, G, V] float32: q, the exact distribution each draft was drawn from (None when
+    drafted greedily without it: q is then one-hot)."""
     confidence: torch.Tensor | None = None
     """[R, G] in (0, 1): the predicted chance each draft is accepted given its prefix."""
 
@@ -513,11 +514,12 @@ class MuseDrafter(nn.Module):
     def draft_blocks(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
                      context_positions: torch.Tensor, context_valid: torch.Tensor,
                      context_kv: Callable[[int, DraftLayer], tuple[torch.Tensor, torch.Tensor]],
-                     temperature: float | torch.Tensor = 0.0,
+                     temperature: float | torch.Tensor | None = 0.0,
                      generator: torch.Generator | None = None) -> DraftProposal:
         """One block per request over given context rows: context_positions, context_valid
         [R, Lc]; context_kv(i, layer) gives draft layer i's keys and values [R, Lc, ...].
-        Only tensor operations of fixed shapes, so a CUDA graph can hold it."""
+        temperature None: every draft greedy, without q (`probs` None). Only tensor
+        operations of fixed shapes, so a CUDA graph can hold it."""
         device = anchor_tokens.device
         requests, length = anchor_tokens.shape[0], self.config.block_size
         block_ids = torch.full((requests, length), self.config.mask_token_id, device=device)
@@ -527,8 +529,8 @@ class MuseDrafter(nn.Module):
             block_ids, block_positions, query_blocks=torch.zeros_like(block_positions),
             context_positions=context_positions, context_valid=context_valid,
             context_kv=context_kv)
-        temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-        temperatures = temperatures.expand(requests)
+        temperatures = None if temperature is None else torch.as_tensor(
+            temperature, dtype=torch.float32, device=device).expand(requests)
         return self._walk(hidden[:, 1:], anchor_tokens, temperatures, generator)
 
     def forward(self, target_hidden: torch.Tensor, input_ids: torch.Tensor,
@@ -658,13 +660,16 @@ class MuseDrafter(nn.Module):
         return scores, torch.where(has_gold, gold_index, IGNORE_INDEX)
 
     def _walk(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor,
-              temperature: torch.Tensor, generator: torch.Generator | None) -> DraftProposal:
+              temperature: torch.Tensor | None, generator: torch.Generator | None
+              ) -> DraftProposal:
         """Draw the G drafts left to right (the Markov bias and the selector look at the
-        previous draft; plain DFlash slots are independent but drawn the same way)."""
+        previous draft; plain DFlash slots are independent but drawn the same way). Without a
+        temperature every draft is the argmax and q (one-hot) is not built."""
         unary = self._lm_head(hidden)
         requests, slots, vocab = unary.shape
         tokens = torch.empty(requests, slots, dtype=torch.long, device=unary.device)
-        probs = torch.zeros(requests, slots, vocab, dtype=torch.float32, device=unary.device)
+        probs = None if temperature is None else torch.zeros(
+            requests, slots, vocab, dtype=torch.float32, device=unary.device)
         previous = anchor_tokens
         for slot in range(slots):
             logits, state = unary[:, slot], hidden[:, slot]
@@ -673,10 +678,15 @@ class MuseDrafter(nn.Module):
             if self.candidate_selector is not None:
                 candidates = logits.topk(self.candidate_selector.top_k, dim=-1).indices
                 scores = self.candidate_selector.pair_scores(logits, state, previous, candidates)
-                local = _draft_distribution(scores, temperature)
-                choice = _draw(local, generator)
+                if probs is None:
+                    choice = scores.argmax(dim=-1)
+                else:
+                    local = _draft_distribution(scores, temperature)
+                    choice = _draw(local, generator)
+                    probs[:, slot].scatter_(1, candidates, local)
                 token = candidates.gather(1, choice[:, None]).squeeze(1)
-                probs[:, slot].scatter_(1, candidates, local)
+            elif probs is None:
+                token = logits.argmax(dim=-1)
             else:
                 probs[:, slot] = _draft_distribution(logits, temperature)
                 token = _draw(probs[:, slot], generator)

@@ -77,7 +77,8 @@ class DrafterProposer:
         return self.kv
 
     def capture_graphs(self, max_batch: int, table_width: int, device: torch.device) -> None:
-        self.graphs = DraftGraphs(self.kv, max_batch, table_width, device)
+        self.graphs = DraftGraphs(self.kv, max_batch, table_width, device,
+                                  greedy=self.config.draft_sample_method == "greedy")
         self.graphs.capture()
 
     def observe(self, committed: list[Request]) -> None:
@@ -117,7 +118,8 @@ class DrafterProposer:
             proposal = self.kv.propose(
                 to_device(anchors, device), to_device(positions, device),
                 to_device([t + [0] * (width - len(t)) for t in tables], device),
-                to_device(temperatures, device, torch.float32), generator)
+                to_device(temperatures, device, torch.float32) if any(temperatures) else None,
+                generator)
         tokens = proposal.tokens.tolist()
         confidence = proposal.confidence.tolist() if proposal.confidence is not None else None
         return {request.request_id: Drafts(

@@ -83,7 +83,9 @@ DECODE = [(0, 1), (16, 1), (69, 1), (200, 1)]
 PREFILL = [(0, 37), (0, 5), (0, 16)]
 # Chunked prefill with cached context, next to decodes and a fresh prompt.
 MIXED = [(50, 1), (33, 20), (0, 9), (120, 1), (70, 24)]
-BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
+# Speculative verification: a few queries per request after long contexts (decoded per token).
+VERIFY = [(50, 8), (120, 3), (16, 5), (0, 4), (200, 1)]
+BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED, "verify": VERIFY}
 
 
 # Every batch kind meets every window and GQA group sizes 1, 2, 4 and 8, without the full
@@ -91,7 +93,8 @@ BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
 @pytest.mark.parametrize(("batch", "window", "group"), [
     ("decode", None, 1), ("decode", 16, 4), ("decode", 40, 2), ("decode", None, 8),
     ("prefill", None, 4), ("prefill", 16, 1), ("prefill", 40, 2),
-    ("mixed", None, 2), ("mixed", 16, 4), ("mixed", 40, 1), ("mixed", 40, 8)])
+    ("mixed", None, 2), ("mixed", 16, 4), ("mixed", 40, 1), ("mixed", 40, 8),
+    ("verify", None, 2), ("verify", 16, 4), ("verify", 40, 1)])
 def test_matches_twin(device, batch, window, group):
     *_, kind, _ = check(BATCHES[batch], device=device, window=window, group=group)
     if window is not None and batch != "prefill":

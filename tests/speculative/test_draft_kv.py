@@ -39,7 +39,7 @@ def write_sequences(kv: DraftKV, drafter, rows: list[torch.Tensor]) -> list[list
 
 
 @pytest.mark.parametrize("variant", [dict(), ALL_V2, DSPARK], ids=["dflash", "v2", "dspark"])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", [None, 0.0, 0.8])
 def test_paged_drafts_equal_the_per_request_cache_drafts(target, variant, temperature):  # noqa: F811
     drafter = make_drafter(target, **variant)
     ids, hidden, _ = sequence(target, drafter.config, seed=2)
@@ -58,7 +58,12 @@ def test_paged_drafts_equal_the_per_request_cache_drafts(target, variant, temper
                           torch.cat([torch.arange(a) for a in anchors]), anchors, anchor_tokens,
                           positions, caches, temperature, torch.Generator().manual_seed(5))
     assert torch.equal(paged.tokens, own.tokens)
-    torch.testing.assert_close(paged.probs, own.probs, atol=1e-5, rtol=1e-5)
+    if temperature is None:  # greedy without q: the argmax, as a temperature of 0 draws it
+        assert paged.probs is None
+        zero = kv.propose(anchor_tokens, positions, padded, 0.0)
+        assert torch.equal(paged.tokens, zero.tokens)
+    else:
+        torch.testing.assert_close(paged.probs, own.probs, atol=1e-5, rtol=1e-5)
     if own.confidence is not None:
         torch.testing.assert_close(paged.confidence, own.confidence, atol=1e-5, rtol=1e-5)
 
@@ -71,7 +76,8 @@ def test_draft_graph_inputs_pad_the_batch_and_give_the_same_drafts(target):  # n
     anchors = [6, 13, 20]
     kv = DraftKV(drafter, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
     tables = write_sequences(kv, drafter, [hidden[:a] for a in anchors])
-    graphs = DraftGraphs(kv, max_batch=8, table_width=8, device=torch.device("cpu"))
+    graphs = DraftGraphs(kv, max_batch=8, table_width=8, device=torch.device("cpu"),
+                         greedy=True)
     assert graphs.covers(3, 8) and not graphs.covers(3, 9) and not graphs.covers(9, 2)
     size = graphs.prepare(ids[anchors].tolist(), anchors, tables, [0.0, 0.0, 0.0])
     assert size == 4
