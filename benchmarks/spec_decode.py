@@ -15,8 +15,8 @@ chat template as `LLM.chat` renders them.
      for token (speculation is lossless: they should all be equal).
 
 2. Speed. At each --concurrency C, the first C prompts of the held-out mix are started
-   together (greedy, exactly --max-tokens output tokens each, EOS ignored) and `llm.generate`
-   is timed wall clock (median of --repeats after one untimed warm-up), for three modes:
+   together (greedy, up to --max-tokens output tokens each, each ending at its end-of-turn
+   token unless --ignore-eos) and `llm.generate` is timed wall clock (median of --repeats after one untimed warm-up), for three modes:
    plain, speculative, and speculative with adaptive verification. Reported: output tokens/s,
    the speedup over plain, and output tokens/s per request (at C = 1: one user's rate).
 
@@ -94,11 +94,12 @@ NOTES = {
     "speedup": "output_tok_s of the mode / output_tok_s of plain at the same C",
     "modes": "plain: no speculation, the engine's default schedule (overlapped steps, decode "
              "CUDA graphs on a GPU); speculative: the config as given, adaptive verification "
-             "off (each step read back before the next; verify steps eager); adaptive: the same "
-             "with enable_adaptive_verification",
+             "off (each step read back before the next; draft and verify passes in CUDA "
+             "graphs on a GPU); adaptive: the same with enable_adaptive_verification",
     "speed_workload": "the first C prompts of the held-out mix (the default model's task "
-                      "mix), greedy, exactly max_tokens output tokens each (ignore_eos), all "
-                      "submitted at once; the engine's max_num_seqs is at least C",
+                      "mix), greedy, up to max_tokens output tokens each (exactly, past the "
+                      "end of turn, with ignore_eos), all submitted at once; the engine's "
+                      "max_num_seqs is at least C",
     "speed_equal_to_plain": "requests of the last timed run whose output equals the plain "
                             "run's, out of C",
 }
@@ -119,7 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=64,
                         help="held-out prompts per task family for the acceptance runs")
     parser.add_argument("--max-tokens", type=int, default=128,
-                        help="output tokens per request (acceptance: at most; speed: exactly)")
+                        help="output tokens per request, at most")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="speed: generate exactly --max-tokens per request, past the end "
+                             "of turn (the model's text there is not what the drafter learnt)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="temperature of the sampled acceptance runs")
     parser.add_argument("--concurrency", type=parse_list, default=[1, 8, 32, 64],
@@ -256,11 +260,9 @@ def build_llm(args: argparse.Namespace, speculative_config: dict[str, Any] | Non
         "dtype": str(getattr(engine, "dtype", None)),
         "overlap_schedule": getattr(engine, "overlap_schedule", None),
         "max_model_len": getattr(engine, "max_model_len", None)}
-    cost = getattr(engine, "verification_cost", None)
-    if cost is not None:
-        info["verification_step_cost"] = {
-            "token_counts": list(getattr(cost, "token_counts", [])),
-            "times_s": list(getattr(cost, "times_s", []))}
+    costs = getattr(engine, "step_costs", None)
+    if costs is not None:
+        info["step_costs"] = costs.to_dict()
     return llm, info
 
 
@@ -388,7 +390,8 @@ def run_speed(llm: Any, args: argparse.Namespace, prompts: Prompts, mode: str,
               plain_outputs: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
     from muse import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
     rows = []
     for concurrency in args.concurrency:
         ids = speed_prompts(prompts, concurrency)
@@ -484,8 +487,9 @@ def report(record: dict[str, Any]) -> str:
             rows.append(cells)
         if lines:
             lines.append("")
-        lines += [f"speed (greedy, {record['config']['max_tokens']} tokens a request, EOS "
-                  f"ignored; median of {record['config']['repeats']})",
+        ending = "EOS ignored" if record["config"].get("ignore_eos") else "to the end of turn"
+        lines += [f"speed (greedy, up to {record['config']['max_tokens']} tokens a request, "
+                  f"{ending}; median of {record['config']['repeats']})",
                   table(["C", "plain tok/s", "per req",
                          "spec tok/s", "per req", "speedup", "L", "= plain",
                          "adaptive tok/s", "per req", "speedup", "L", "= plain"], rows),

@@ -30,8 +30,8 @@ from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.draft_kv import draft_block_bytes
 from muse.speculative.metrics import SpecDecodingStats
-from muse.speculative.adaptive import (AcceptanceTracker, StepCostModel, choose_draft_lengths,
-                                      survival)
+from muse.speculative.adaptive import (AcceptanceTracker, StepCosts, choose_query_len, survival,
+                                      worth_drafting)
 from muse.speculative.proposer import (DrafterProposer, Drafts, NgramProposer, SuffixProposer,
                                       make_proposer)
 from muse.checkpoint.configs import load_config
@@ -45,6 +45,18 @@ logger = logging.getLogger("muse")
 # With nothing to run but requests waiting for their grammar, a step waits this long for a
 # compile to end instead of spinning (and taking a core from the compile threads).
 GRAMMAR_WAIT_S = 0.01
+
+# Adaptive verification that finds drafting not worth its cost still drafts every this many
+# steps, so that the acceptance it decides from follows the requests.
+PROBE_EVERY = 8
+
+
+def verify_query_lens(num_speculative_tokens: int) -> list[int]:
+    """The query lengths of verify steps that get their own CUDA graphs (and step costs):
+    2 and 4 where shorter than 1 + k, and 1 + k. A step takes the shortest that holds its
+    longest request."""
+    longest = 1 + num_speculative_tokens
+    return sorted({q for q in (2, 4) if q < longest} | {longest})
 
 
 # Presets up to this many parameters draw their weights on the CPU, identically on every
@@ -99,11 +111,12 @@ class EngineCore:
         self.spec_stats = SpecDecodingStats(self.speculative.num_speculative_tokens) \
             if self.speculative is not None else None
         self.proposer: NgramProposer | SuffixProposer | DrafterProposer | None = None
-        # Adaptive verification: the step-cost curve (profiled once the model runs) and the
-        # acceptance seen per draft position.
-        self.verification_cost: StepCostModel | None = None
+        # Adaptive verification: the step costs (profiled once the model runs), the acceptance
+        # seen per draft position, and the steps run without drafts since the last probe.
+        self.step_costs: StepCosts | None = None
         self.acceptance = AcceptanceTracker(self.speculative.num_speculative_tokens) \
             if self.speculative is not None else None
+        self.steps_without_drafts = 0
         # With several ranks each step is read back before the next is built (the other
         # ranks get the step's token ids from the host), and runs eagerly. Speculation reads
         # each step back too: the next step's drafts start after the tokens it accepted.
@@ -157,7 +170,7 @@ class EngineCore:
                                    lambda request: self.kv_cache.block_tables(request),
                                    self.device)
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             *self._graphs(kv_caches))
+                             self._graphs(kv_caches))
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
@@ -168,7 +181,7 @@ class EngineCore:
             self.executor = UniExecutor(worker)
         self._init_scheduling()
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
-            self.verification_cost = self._profile_verification()
+            self.step_costs = self._profile_step_costs()
         sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
         logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
@@ -296,11 +309,11 @@ class EngineCore:
         return max_len
 
     def _graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> tuple[DecodeGraphs | None, DecodeGraphs | None]:
-        """Captured decode graphs and, with speculation, verify graphs (and the drafter's),
-        on CUDA unless `enforce_eager`."""
+                ) -> list[DecodeGraphs]:
+        """Captured decode graphs and, with speculation, verify graphs of each query length
+        (and the drafter's), on CUDA unless `enforce_eager`."""
         if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
-            return None, None
+            return []
         block_size, max_batch = self.args.block_size, self.args.max_num_seqs
         full_width = -(-self.max_model_len // block_size)
 
@@ -316,12 +329,13 @@ class EngineCore:
             graphs.capture()
             return graphs
 
-        decode = capture(1)
-        if self.speculative is None:
-            return decode, None
-        if isinstance(self.proposer, DrafterProposer):
-            self.proposer.capture_graphs(max_batch, full_width, self.device)
-        return decode, capture(1 + self.speculative.num_speculative_tokens)
+        graphs = [capture(1)]
+        if self.speculative is not None:
+            if isinstance(self.proposer, DrafterProposer):
+                self.proposer.capture_graphs(max_batch, full_width, self.device)
+            graphs += [capture(q) for q in
+                       verify_query_lens(self.speculative.num_speculative_tokens)]
+        return graphs
 
     # ---- requests ------------------------------------------------------------------------
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -475,18 +489,33 @@ class EngineCore:
                 room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
             ready.append(request)
             rooms.append(room)
+        if self.step_costs is not None and not self._worth_drafting():
+            return
         proposals = self.proposer.propose(ready, rooms)
-        if self.verification_cost is not None:
+        if self.step_costs is not None:
             proposals = self._adapt_drafts(ready, proposals)
         for request, drafts in zip(ready, proposals):
             request.spec_token_ids, request.spec_token_probs = drafts.tokens, drafts.probs
 
+    def _worth_drafting(self) -> bool:
+        """Adaptive verification: draft this step only if, at the acceptance seen so far, a
+        step with drafts (the drafter's time included) beats plain decoding; otherwise draft
+        every `PROBE_EVERY` steps anyway, so that the acceptance stays current."""
+        k = self.speculative.num_speculative_tokens
+        if worth_drafting(self.acceptance.survival(k), len(self.scheduler.running),
+                          self.step_costs) or self.steps_without_drafts >= PROBE_EVERY:
+            self.steps_without_drafts = 0
+            return True
+        self.steps_without_drafts += 1
+        return False
+
     def _adapt_drafts(self, ready: list[Request], proposals: list[Drafts]) -> list[Drafts]:
-        """Adaptive verification: verify of each request only the drafts worth their cost.
-        Each draft's chance to survive comes from the drafter (its confidence head, else its
-        own probability of a sampled draft) or from the acceptance seen so far; the step-cost
-        curve profiled at start-up prices the tokens. Only draft-side information decides,
-        so the output stays lossless: a trimmed draft is a shorter draft."""
+        """Adaptive verification: the step verifies the number of drafts per request that
+        maximises its expected tokens per second. Each draft's chance to survive comes from
+        the drafter (its confidence head, else its own probability of a sampled draft) or from
+        the acceptance seen so far; the profiled step costs price the shapes. Only draft-side
+        information decides, so the output stays lossless: a trimmed draft is a shorter
+        draft."""
         rows = []
         for drafts in proposals:
             if drafts.confidence is not None:
@@ -497,29 +526,32 @@ class EngineCore:
                 rows.append(survival(picked))
             else:
                 rows.append(self.acceptance.survival(len(drafts.tokens)))
-        # What the step runs anyway: every running request's known tokens not yet computed.
-        base = min(sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running),
-                   self.args.max_num_batched_tokens)
-        lengths = choose_draft_lengths(rows, base, self.verification_cost)
-        return [Drafts(d.tokens[:k], d.probs[:k] if d.probs is not None else None)
-                for d, k in zip(proposals, lengths)]
+        verified = choose_query_len(rows, len(self.scheduler.running), self.step_costs) - 1
+        return [Drafts(d.tokens[:verified], d.probs[:verified] if d.probs is not None else None)
+                for d in proposals]
 
-    def _profile_verification(self) -> StepCostModel:
-        """The time of a step by its number of tokens, from 1 to the most a step of drafts
-        can hold, measured once (one request of n tokens over the null block)."""
-        most = min(self.args.max_num_batched_tokens,
-                   self.args.max_num_seqs * (1 + self.speculative.num_speculative_tokens))
-        counts = sorted({min(2 ** i, most) for i in range(most.bit_length() + 1)})
-        kinds = list(self.num_blocks)
+    def _profile_step_costs(self) -> StepCosts:
+        """Step times at batch sizes 1, 2, 4, ... `max_num_seqs` for plain decoding and each
+        verify shape (dummy requests over the null block, through the graphs where captured),
+        and the drafter's, measured once."""
+        largest = self.args.max_num_seqs
+        sizes = sorted({min(2 ** i, largest) for i in range(largest.bit_length() + 1)})
+        kinds, block_size = list(self.num_blocks), self.args.block_size
         worker = self.executor.worker
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else None
 
-        def run_step(tokens: int) -> None:
-            worker.execute(HostBatch.dummy(kinds, tokens, self.args.block_size), [tokens - 1])
+        def run_step(requests: int, query_len: int) -> None:
+            batch = HostBatch.dummy(kinds, query_len, block_size, requests)
+            worker.execute(batch, list(range(batch.num_tokens)))
 
-        cost = StepCostModel.profile(run_step, counts, repeats=3, synchronize=synchronize)
-        logger.info("speculative step cost: %s", cost)
-        return cost
+        run_draft = self.proposer.run_dummy if isinstance(self.proposer, DrafterProposer) \
+            else None
+        costs = StepCosts.profile(
+            run_step, sizes, [1] + verify_query_lens(self.speculative.num_speculative_tokens),
+            run_draft, repeats=3 if synchronize else 1, synchronize=synchronize,
+            warmup=1 if synchronize else 0)
+        logger.info("speculative step costs: %s", costs)
+        return costs
 
     def plan_step(self) -> tuple[list[Request], PreparedStep | None]:
         """The first half of a step run together with other data-parallel ranks: this rank's

@@ -39,17 +39,22 @@ class HostBatch:
     dp_num_tokens: list[int] | None = None  # see BatchMetadata
 
     @classmethod
-    def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1) -> HostBatch:
-        """A request of `num_tokens` tokens whose K/V goes to the null block and which reads
+    def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1,
+              num_requests: int = 1) -> HostBatch:
+        """Requests of `num_tokens` tokens each whose K/V goes to the null block and which read
         only that block: what an idle data-parallel rank runs so that the MoE collectives of
-        the busy ones meet, and the memory profile's largest step."""
+        the busy ones meet, the memory profile's largest step, and the step-cost profile's
+        steps."""
         width = -(-num_tokens // block_size)
-        return cls(kinds=kinds, max_query_len=num_tokens, input_ids=[0] * num_tokens,
-                   positions=list(range(num_tokens)), token_request=[0] * num_tokens,
-                   query_start=[0, num_tokens], seq_lens=[num_tokens],
-                   slots={kind: [0] * num_tokens for kind in kinds},
-                   tables={kind: [[0] * width] for kind in kinds},
-                   first_blocks={kind: [0] for kind in kinds})
+        total = num_tokens * num_requests
+        return cls(kinds=kinds, max_query_len=num_tokens, input_ids=[0] * total,
+                   positions=list(range(num_tokens)) * num_requests,
+                   token_request=[r for r in range(num_requests) for _ in range(num_tokens)],
+                   query_start=list(range(0, total + 1, num_tokens)),
+                   seq_lens=[num_tokens] * num_requests,
+                   slots={kind: [0] * total for kind in kinds},
+                   tables={kind: [[0] * width] * num_requests for kind in kinds},
+                   first_blocks={kind: [0] * num_requests for kind in kinds})
 
     @property
     def num_tokens(self) -> int:

@@ -31,17 +31,20 @@ PendingInputs = tuple[list[int], list[int]]
 class ModelWorker:
     def __init__(self, model: EngineModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, block_size: int,
-                 decode_graphs: DecodeGraphs | None = None,
-                 verify_graphs: DecodeGraphs | None = None) -> None:
+                 graphs: list[DecodeGraphs] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
-        self.decode_graphs = decode_graphs
-        self.verify_graphs = verify_graphs  # speculative decoding's 1 + k tokens per request
+        # Captured steps by query length: decode (1), then speculative verify shapes.
+        self.graphs = sorted(graphs or [], key=lambda g: g.query_len)
         # Pipeline steps run, by their number of micro-batches.
         self.micro_batch_steps: Counter[int] = Counter()
         self.context_parallel_steps = 0  # steps whose tokens were split over the PCP ranks
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        return self.graphs[0] if self.graphs and self.graphs[0].query_len == 1 else None
 
     @torch.inference_mode()
     def execute_data_parallel(self, batch: HostBatch | None, num_tokens: list[int],
@@ -164,9 +167,9 @@ class ModelWorker:
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits."""
-        for graphs in (self.decode_graphs, self.verify_graphs):
+        for graphs in self.graphs:
             # Pending inputs come with the overlapped schedule, which speculation turns off.
-            if graphs is None or (graphs.query_len > 1 and pending[0]):
+            if graphs.query_len > 1 and pending[0]:
                 continue
             size = graphs.prepare(batch)
             if size is not None:

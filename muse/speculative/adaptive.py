@@ -2,18 +2,18 @@
 
 Verifying the first k drafts of request r is expected to emit `1 + sum_{j<=k} S_{r,j}` tokens,
 where the survival `S_{r,j} = prod_{i<=j} c_{r,i}` is the chance that drafts 1..j are all
-accepted and `c_{r,i}` the chance that draft i is accepted given that its prefix was. A step
-costs `draft_cost_s + T_verify(tokens it runs)`, a curve profiled once at start-up
-(`StepCostModel`): at batch 1 a few more tokens are nearly free, at high batch they are not.
-`choose_draft_lengths` picks, per request, the number of drafts that maximises the step's
-expected tokens per second.
+accepted and `c_{r,i}` the chance that draft i is accepted given that its prefix was. A step's
+cost depends on its batch size and on its query length q (1 + the most drafts a request
+verifies): the verify CUDA graphs pad every request to q tokens. `StepCosts` holds those times
+and the drafter's, profiled once at start-up; `choose_query_len` picks the q that maximises the
+step's expected tokens per second, and `worth_drafting` whether to run the drafter at all.
 
 Where the confidences c come from:
 - a drafter with a confidence head: its `DraftProposal.confidence`;
 - a drafter without one: its own probability of each drafted token, q_k(x_k)
   (`draft_confidence`);
-- model-free drafts (n-gram, suffix): a running acceptance rate per draft position
-  (`AcceptanceTracker`, fed by the verification outcomes of earlier steps).
+- model-free drafts (n-gram, suffix) and the decision to draft: a running acceptance rate per
+  draft position (`AcceptanceTracker`, fed by the verification outcomes of earlier steps).
 
 Lossless: every input is known before the target runs (the drafter's outputs, statistics of
 past steps), never the target's output for this step. Trimming a draft is therefore the same
@@ -152,142 +152,144 @@ def measure_seconds(run: Callable[[], None], repeats: int,
     return float(statistics.median(samples))
 
 
-class StepCostModel:
-    """T_verify(n): the time of a target step running n tokens, interpolated linearly between
-    profiled points, held at the first point's time below it, and extended past the last point
-    along the last segment's slope (through the origin when there is one point). Plus a
-    constant drafter cost per step, `draft_cost_s`.
-
-    The curve is made non-decreasing: points are sorted by token count and each time is raised
-    to the largest time before it (a running maximum), so a noisy measurement that dips below
-    its predecessor takes the predecessor's value. The raw times stay in `measured_s`.
+class StepCosts:
+    """The time of a step by its batch size R, for each query length q it can have: 1 (plain
+    decoding) and the verify shapes 1 + k the engine runs (its verify CUDA graphs pad every
+    request to one of them), plus the drafter's time for R requests. Profiled once at
+    start-up; between profiled batch sizes times are interpolated linearly, held at the first
+    below it and extended along the last segment past the end. Times are made non-decreasing
+    in R and in q (running maxima): a noisy dip takes its predecessor's value, and a longer
+    shape never looks cheaper than a shorter one (the engine runs the shortest that fits).
     """
 
-    def __init__(self, token_counts: Sequence[int], times_s: Sequence[float],
-                 draft_cost_s: float = 0.0) -> None:
-        if len(token_counts) == 0 or len(token_counts) != len(times_s):
-            raise ValueError(f"need as many times as token counts (at least one), got "
-                             f"{len(token_counts)} counts and {len(times_s)} times")
-        points = sorted(zip((int(n) for n in token_counts), (float(t) for t in times_s)))
-        counts = [n for n, _ in points]
-        if counts[0] < 0 or len(set(counts)) != len(counts):
-            raise ValueError(f"token counts must be distinct and >= 0, got {list(token_counts)}")
-        measured = [t for _, t in points]
-        if any(not math.isfinite(t) or t < 0 for t in measured):
-            raise ValueError(f"step times must be finite and >= 0, got {list(times_s)}")
-        if not math.isfinite(draft_cost_s) or draft_cost_s < 0:
-            raise ValueError(f"draft_cost_s must be finite and >= 0, got {draft_cost_s}")
-        times, highest = [], 0.0
-        for t in measured:
-            highest = max(highest, t)
-            times.append(highest)
-        self.token_counts: list[int] = counts
-        self.measured_s: list[float] = measured
-        self.times_s: list[float] = times
-        self.draft_cost_s = float(draft_cost_s)
+    def __init__(self, batch_sizes: Sequence[int], step_s: dict[int, Sequence[float]],
+                 draft_s: Sequence[float] | None = None) -> None:
+        sizes = [int(b) for b in batch_sizes]
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"batch sizes must increase from >= 1, got {list(batch_sizes)}")
+        if 1 not in step_s:
+            raise ValueError("the costs need query length 1 (a plain decode step)")
+        curves = dict(step_s)
+        curves[0] = draft_s if draft_s is not None else [0.0] * len(sizes)  # the drafter
+        self.batch_sizes = sizes
+        self.curves: dict[int, list[float]] = {}
+        for query_len, times in curves.items():
+            times = [float(t) for t in times]
+            if len(times) != len(sizes) or any(not math.isfinite(t) or t < 0 for t in times):
+                raise ValueError(f"query length {query_len}: need {len(sizes)} finite times "
+                                 f">= 0, got {times}")
+            self.curves[query_len] = [max(times[:i + 1]) for i in range(len(times))]
+        for shorter, longer in zip(self.query_lens, self.query_lens[1:]):
+            self.curves[longer] = [max(a, b) for a, b in zip(self.curves[shorter],
+                                                            self.curves[longer])]
+
+    @property
+    def query_lens(self) -> list[int]:
+        return sorted(q for q in self.curves if q > 0)
 
     @classmethod
-    def profile(cls, run_step: Callable[[int], None], token_counts: Sequence[int],
-                repeats: int = 5, timer: Callable[[], float] = time.perf_counter,
-                synchronize: Callable[[], None] | None = None, *, draft_cost_s: float = 0.0,
-                warmup: int = 1) -> StepCostModel:
-        """Time `run_step(n)` (a dummy forward of n tokens) for each n: the median of `repeats`
-        timed calls after `warmup` untimed ones (per n: each shape may compile or tune)."""
-        counts = sorted({int(n) for n in token_counts})
-        if not counts or counts[0] < 1:
-            raise ValueError(f"profile needs token counts >= 1, got {list(token_counts)}")
-        times = [measure_seconds(lambda n=n: run_step(n), repeats, timer, synchronize, warmup)
-                 for n in counts]
-        return cls(counts, times, draft_cost_s)
+    def profile(cls, run_step: Callable[[int, int], None], batch_sizes: Sequence[int],
+                query_lens: Sequence[int], run_draft: Callable[[int], None] | None = None,
+                repeats: int = 3, synchronize: Callable[[], None] | None = None,
+                warmup: int = 1, timer: Callable[[], float] = time.perf_counter) -> StepCosts:
+        """Time `run_step(R, q)` (a dummy step of R requests of q tokens) and `run_draft(R)`
+        for every R and q: medians of `repeats` runs after `warmup` untimed ones."""
+        def timed(run: Callable[[], None]) -> float:
+            return measure_seconds(run, repeats, timer, synchronize, warmup)
 
-    def verify_time(self, num_tokens: float) -> float:
-        """T_verify(num_tokens) in seconds."""
-        counts, times = self.token_counts, self.times_s
-        if num_tokens <= counts[0]:
-            return times[0]
-        if num_tokens >= counts[-1]:
-            if len(counts) == 1:
-                return times[0] * num_tokens / counts[0]  # counts[0] > 0 here
-            slope = (times[-1] - times[-2]) / (counts[-1] - counts[-2])
-            return times[-1] + slope * (num_tokens - counts[-1])
-        right = bisect.bisect_right(counts, num_tokens)
-        n0, n1, t0, t1 = counts[right - 1], counts[right], times[right - 1], times[right]
-        return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
+        steps = {q: [timed(lambda: run_step(r, q)) for r in batch_sizes] for q in query_lens}
+        drafts = [timed(lambda: run_draft(r)) for r in batch_sizes] \
+            if run_draft is not None else None
+        return cls(batch_sizes, steps, drafts)
 
-    def step_time(self, num_tokens: float) -> float:
-        """draft_cost_s + T_verify(num_tokens)."""
-        return self.draft_cost_s + self.verify_time(num_tokens)
+    def _at(self, curve: list[float], batch: float) -> float:
+        sizes = self.batch_sizes
+        if batch <= sizes[0]:
+            return curve[0]
+        if batch >= sizes[-1]:
+            if len(sizes) == 1:
+                return curve[0] * batch / sizes[0]
+            slope = (curve[-1] - curve[-2]) / (sizes[-1] - sizes[-2])
+            return curve[-1] + slope * (batch - sizes[-1])
+        right = bisect.bisect_right(sizes, batch)
+        b0, b1, t0, t1 = sizes[right - 1], sizes[right], curve[right - 1], curve[right]
+        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+    def step_time(self, query_len: int, batch: float) -> float:
+        """A step of `batch` requests whose longest brings `query_len` tokens: the cost of
+        the smallest profiled query length that holds it."""
+        fitting = [q for q in self.query_lens if q >= query_len]
+        return self._at(self.curves[fitting[0] if fitting else self.query_lens[-1]], batch)
+
+    def draft_time(self, batch: float) -> float:
+        return self._at(self.curves[0], batch)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_counts": list(self.token_counts), "times_s": list(self.times_s),
-                "measured_s": list(self.measured_s), "draft_cost_s": self.draft_cost_s}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepCostModel:
-        """From `to_dict`'s output; the raw `measured_s` are used when present."""
-        return cls(data["token_counts"], data.get("measured_s", data["times_s"]),
-                   data.get("draft_cost_s", 0.0))
+        return {"batch_sizes": list(self.batch_sizes),
+                "step_s": {q: list(self.curves[q]) for q in self.query_lens},
+                "draft_s": list(self.curves[0])}
 
     def __repr__(self) -> str:
-        points = ", ".join(f"{n}:{t * 1e3:.3f}ms" for n, t in zip(self.token_counts,
-                                                                   self.times_s))
-        return f"StepCostModel([{points}], draft_cost_s={self.draft_cost_s:.6f})"
+        rows = "; ".join(f"q={q}: " + ", ".join(f"{b}:{t * 1e3:.3f}ms" for b, t in
+                                                  zip(self.batch_sizes, self.curves[q]))
+                         for q in [0] + self.query_lens)
+        return f"StepCosts({rows}; q=0 is the drafter)"
 
 
 # ---- the choice -------------------------------------------------------------------------------
 
-def expected_rate(survivals: Sequence[Sequence[float]], lengths: Sequence[int],
-                  base_tokens: int, cost: StepCostModel,
-                  base_emitted: float | None = None) -> float:
-    """Expected tokens per second of a step verifying the first `lengths[r]` drafts of each
-    request: (base_emitted + sum_r sum_{j<=k_r} S_{r,j}) / (draft_cost + T_verify(base_tokens
-    + sum_r k_r)). `base_emitted` defaults to one token per request in `survivals`."""
-    emitted = float(len(survivals) if base_emitted is None else base_emitted)
-    emitted += sum(sum(row[:k]) for row, k in zip(survivals, lengths))
-    return emitted / max(cost.step_time(base_tokens + sum(lengths)), _MIN_STEP_S)
+def _clean(row: Sequence[float]) -> list[float]:
+    """A request's survivals clamped to [0, 1] and made non-increasing (draft j needs the
+    drafts before it, so its survival cannot exceed theirs)."""
+    out, previous = [], 1.0
+    for j, value in enumerate(row):
+        value = float(value)
+        if math.isnan(value):
+            raise ValueError(f"survival {j} is NaN")
+        previous = min(max(value, 0.0), previous)
+        out.append(previous)
+    return out
 
 
-def choose_draft_lengths(survivals: Sequence[Sequence[float]], base_tokens: int,
-                         cost: StepCostModel, base_emitted: float | None = None) -> list[int]:
-    """How many drafts k_r of each request to verify this step, to maximise
-    `expected_rate` (expected tokens per second).
+def expected_rate(survivals: Sequence[Sequence[float]], query_len: int, num_requests: int,
+                  costs: StepCosts, draft: bool = False) -> float:
+    """Expected tokens per second of a step of `num_requests` requests in which request r
+    (of those with drafts, `survivals[r]`) verifies its first min(g_r, q - 1) drafts: each
+    request emits one token plus the survivals of the drafts it verifies. `draft` adds the
+    drafter's time to the step's."""
+    verified = query_len - 1
+    emitted = num_requests + sum(sum(_clean(row)[:verified]) for row in survivals)
+    seconds = costs.step_time(query_len, num_requests) \
+        + (costs.draft_time(num_requests) if draft else 0.0)
+    return emitted / max(seconds, _MIN_STEP_S)
 
-    survivals[r][j]: the chance that drafts 1..j+1 of request r are all accepted; a request
-    verifies a prefix of its drafts (draft j needs drafts before it). base_tokens: the tokens
-    the step runs anyway (one per decoding request, plus prefill chunks). base_emitted: the
-    tokens the step emits anyway, by default one per request in `survivals` (pass the number
-    of all decoding requests when some have no drafts).
 
-    For a fixed total K, the best numerator takes the K largest survivals; because survivals
-    do not increase along a request, those form a prefix-closed choice. So the slots are taken
-    in decreasing survival across requests (ties: earlier position, then earlier request) and
-    every prefix of that order is scored: O(N log N) for N drafts. Ties in the objective go to
-    fewer drafts. A survival larger than the one before it in its request is lowered to it
-    (its true value cannot be larger), and survivals are clamped to [0, 1].
+def choose_query_len(survivals: Sequence[Sequence[float]], num_requests: int,
+                     costs: StepCosts) -> int:
+    """The query length q of the step (1: verify no draft) that maximises `expected_rate`;
+    ties go to the shorter. Every request then verifies its first min(g_r, q - 1) drafts: a
+    verify shape pads every request to q tokens, so a shorter prefix would save nothing.
 
     Lossless: the choice uses only draft-side information (the drafter's confidences or
     probabilities, statistics of earlier steps), never this step's target output, so a trimmed
     draft is just a shorter draft and verification keeps the target's distribution.
     """
-    slots: list[tuple[float, int, int]] = []
-    for r, row in enumerate(survivals):
-        previous = 1.0
-        for j, value in enumerate(row):
-            value = float(value)
-            if math.isnan(value):
-                raise ValueError(f"survival {j} of request {r} is NaN")
-            previous = min(max(value, 0.0), previous)
-            slots.append((-previous, j, r))
-    slots.sort()
-    emitted = float(len(survivals) if base_emitted is None else base_emitted)
-    best_value = emitted / max(cost.step_time(base_tokens), _MIN_STEP_S)
-    best_count = 0
-    for count, (negative, _, _) in enumerate(slots, start=1):
-        emitted -= negative
-        value = emitted / max(cost.step_time(base_tokens + count), _MIN_STEP_S)
+    longest = max((len(row) for row in survivals), default=0)
+    best, best_value = 1, expected_rate(survivals, 1, num_requests, costs)
+    for query_len in costs.query_lens[1:]:
+        value = expected_rate(survivals, query_len, num_requests, costs)
         if value > best_value * (1.0 + _TIE_RELATIVE):
-            best_value, best_count = value, count
-    lengths = [0] * len(survivals)
-    for _, _, r in slots[:best_count]:
-        lengths[r] += 1
-    return lengths
+            best, best_value = query_len, value
+    # A shape longer than every draft verifies them all; the step needs only their length.
+    return min(best, longest + 1)
+
+
+def worth_drafting(tracker_survival: Sequence[float], num_requests: int,
+                   costs: StepCosts) -> bool:
+    """Whether drafting for `num_requests` requests is expected to beat plain decoding, with
+    every request's survivals taken from the acceptance seen so far, the drafter's time
+    included."""
+    rows = [list(tracker_survival)] * num_requests
+    plain = expected_rate([], 1, num_requests, costs)
+    return any(expected_rate(rows, q, num_requests, costs, draft=True) > plain
+               for q in costs.query_lens if q > 1)

@@ -81,6 +81,18 @@ class DrafterProposer:
                                   greedy=self.config.draft_sample_method == "greedy")
         self.graphs.capture()
 
+    def run_dummy(self, num_requests: int) -> None:
+        """Draft for `num_requests` requests with empty contexts, as a step would (through
+        the graphs where captured): what the step-cost profile times."""
+        anchors, tables = [0] * num_requests, [[0]] * num_requests
+        if self.graphs is not None and self.graphs.covers(num_requests, 1):
+            self.graphs.replay(self.graphs.prepare(anchors, anchors, tables,
+                                                   [0.0] * num_requests), num_requests)
+            return
+        device = self.kv.pools[0][0].device
+        self.kv.propose(to_device(anchors, device), to_device(anchors, device),
+                        to_device(tables, device), None)
+
     def observe(self, committed: list[Request]) -> None:
         """Nothing to learn: the target's forward wrote the context rows."""
 

@@ -1,18 +1,17 @@
-"""Adaptive verification: survivals, confidences, the step-cost curve, and the choice of how
-many drafts each request verifies (checked against exhaustive search on small instances)."""
+"""Adaptive verification: survivals, confidences, the step costs, the choice of the step's
+verify shape (checked against every shape on random instances) and of drafting at all."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
 import pytest
 import torch
 
-from muse.speculative.adaptive import (AcceptanceTracker, StepCostModel, choose_draft_lengths,
+from muse.speculative.adaptive import (AcceptanceTracker, StepCosts, choose_query_len,
                                        draft_confidence, expected_rate, measure_seconds,
-                                       survival, survivals)
+                                       survival, survivals, worth_drafting)
 
 
 # ---- survivals and confidences ----------------------------------------------------------------
@@ -93,69 +92,48 @@ class FakeClock:
         return self.now
 
 
-def test_profile_gives_the_piecewise_linear_curve() -> None:
-    clock, calls, syncs = FakeClock(), [], []
-    true_time = {1: 1.0, 4: 1.3, 16: 2.5, 64: 7.3}
-    noise = itertools.cycle([0.0, 0.5, -0.01, 0.0, 9.0])  # the median ignores the outliers
+def test_profile_times_every_shape_and_the_drafter() -> None:
+    clock, syncs = FakeClock(), []
+    step_time = {(1, 1): 1.0, (4, 1): 1.2, (1, 8): 2.0, (4, 8): 3.5}
+    calls = []
 
-    def run_step(n: int) -> None:
-        warm = any(c == n for c in calls)
-        calls.append(n)
-        clock.now += true_time[n] + (next(noise) if warm else 100.0)  # slow first call
+    def run_step(requests: int, query_len: int) -> None:
+        warm = (requests, query_len) in calls
+        calls.append((requests, query_len))
+        clock.now += step_time[requests, query_len] + (0.0 if warm else 100.0)
 
-    cost = StepCostModel.profile(run_step, [16, 1, 64, 4, 4], repeats=5, timer=clock,
-                                 synchronize=lambda: syncs.append(1), draft_cost_s=0.25)
-    assert cost.token_counts == [1, 4, 16, 64]
-    assert cost.times_s == pytest.approx([1.0, 1.3, 2.5, 7.3])
-    assert len(calls) == 4 * 6 and len(syncs) == 4 * 5 * 2  # one warm-up + 5 timed per n
-    assert cost.draft_cost_s == 0.25
-    # Between points: linear interpolation.
-    assert cost.verify_time(10) == pytest.approx(1.3 + (2.5 - 1.3) * 6 / 12)
-    assert cost.verify_time(40) == pytest.approx(2.5 + (7.3 - 2.5) * 0.5)
-    assert cost.step_time(4) == pytest.approx(1.55)
-    # Below the first point: held. Past the last: the last segment's slope (0.1 / token).
-    assert cost.verify_time(0) == pytest.approx(1.0)
-    assert cost.verify_time(128) == pytest.approx(7.3 + 0.1 * 64)
-    assert cost.verify_time(1000) == pytest.approx(7.3 + 0.1 * 936)
+    def run_draft(requests: int) -> None:
+        clock.now += 0.5 * requests
 
-
-def test_cost_curve_is_made_monotone() -> None:
-    clock = FakeClock()
-    measured = {1: 1.0, 2: 2.0, 4: 1.5, 8: 1.8, 16: 3.0}  # 4 and 8 dip below 2's time
-
-    def run_step(n: int) -> None:
-        clock.now += measured[n]
-
-    cost = StepCostModel.profile(run_step, list(measured), repeats=3, timer=clock)
-    # Each time is raised to the running maximum of those before it.
-    assert cost.times_s == pytest.approx([1.0, 2.0, 2.0, 2.0, 3.0])
-    assert cost.measured_s == pytest.approx([1.0, 2.0, 1.5, 1.8, 3.0])
-    grid = [x / 4 for x in range(0, 4 * 40)]
-    values = [cost.verify_time(x) for x in grid]
-    assert all(b >= a for a, b in zip(values, values[1:]))
-    assert cost.verify_time(6) == pytest.approx(2.0)
-    # Extrapolation uses the corrected last segment: (3 - 2) / 8 per token.
-    assert cost.verify_time(24) == pytest.approx(4.0)
+    costs = StepCosts.profile(run_step, [1, 4], [1, 8], run_draft, repeats=3,
+                              synchronize=lambda: syncs.append(1), warmup=1, timer=clock)
+    assert costs.query_lens == [1, 8] and costs.batch_sizes == [1, 4]
+    assert costs.step_time(1, 1) == pytest.approx(1.0)
+    assert costs.step_time(8, 4) == pytest.approx(3.5)
+    assert costs.draft_time(4) == pytest.approx(2.0)
+    assert len(calls) == 4 * 4 and len(syncs) == (4 + 2) * 3 * 2  # warm-up + 3 timed each
+    # Between batch sizes: linear; below the first: held; past the last: the last slope.
+    assert costs.step_time(8, 2) == pytest.approx(2.5)
+    assert costs.step_time(8, 0.5) == pytest.approx(2.0)
+    assert costs.step_time(1, 10) == pytest.approx(1.2 + 0.2 / 3 * 6)
+    # A query length between profiled ones costs as the next longer one.
+    assert costs.step_time(3, 1) == costs.step_time(8, 1)
 
 
-def test_cost_model_round_trips_and_validates() -> None:
-    cost = StepCostModel([8, 1, 2], [3.0, 1.0, 0.5], draft_cost_s=0.1)
-    assert cost.times_s == [1.0, 1.0, 3.0]
-    again = StepCostModel.from_dict(cost.to_dict())
-    assert again.to_dict() == cost.to_dict()
-    for n in (0, 1, 1.5, 5, 8, 20):
-        assert again.step_time(n) == cost.step_time(n)
-    # One point: proportional past it, held below it.
-    single = StepCostModel([4], [2.0])
-    assert single.verify_time(2) == 2.0 and single.verify_time(8) == pytest.approx(4.0)
-    with pytest.raises(ValueError):
-        StepCostModel([], [])
-    with pytest.raises(ValueError):
-        StepCostModel([1, 1], [1.0, 2.0])
-    with pytest.raises(ValueError):
-        StepCostModel([1, 2], [1.0, -2.0])
-    with pytest.raises(ValueError):
-        StepCostModel.profile(lambda n: None, [0, 4], repeats=1)
+def test_step_costs_are_made_monotone_and_validated() -> None:
+    costs = StepCosts([1, 2, 4, 8], {1: [1.0, 2.0, 1.5, 3.0], 4: [2.0, 2.0, 2.0, 2.0]})
+    # Each curve is raised to its running maximum over batch sizes, then to the shorter
+    # shape's times; no drafter means a free drafter.
+    assert costs.to_dict()["step_s"][1] == [1.0, 2.0, 2.0, 3.0]
+    assert costs.to_dict()["step_s"][4] == [2.0, 2.0, 2.0, 3.0]
+    assert costs.draft_time(3) == 0.0
+    assert "q=4" in repr(costs)
+    with pytest.raises(ValueError, match="increase"):
+        StepCosts([2, 1], {1: [1.0, 1.0]})
+    with pytest.raises(ValueError, match="query length 1"):
+        StepCosts([1], {4: [1.0]})
+    with pytest.raises(ValueError, match="finite"):
+        StepCosts([1, 2], {1: [1.0, -1.0]})
 
 
 def test_measure_seconds_is_a_median_after_warmup() -> None:
@@ -174,79 +152,48 @@ def test_measure_seconds_is_a_median_after_warmup() -> None:
 SURVIVALS = [[0.9, 0.7, 0.4, 0.1], [0.6, 0.3], [0.95, 0.9, 0.85, 0.8, 0.75]]
 
 
-def test_free_verification_verifies_everything() -> None:
-    flat = StepCostModel([1, 4096], [0.01, 0.01], draft_cost_s=0.002)
-    assert choose_draft_lengths(SURVIVALS, base_tokens=3, cost=flat) == [4, 2, 5]
-    # A draft that is sure to fail adds nothing: the tie goes to fewer drafts.
-    assert choose_draft_lengths([[0.5, 0.0, 0.0], [1.0]], 2, flat) == [1, 1]
+def costs_of(decode: float, verify: dict[int, float], draft: float = 0.0) -> StepCosts:
+    """Costs that do not depend on the batch size."""
+    return StepCosts([1, 64], {1: [decode] * 2} | {q: [t] * 2 for q, t in verify.items()},
+                     [draft] * 2)
 
 
-def test_steep_cost_verifies_nothing_or_the_likeliest() -> None:
-    # Each token costs as much as the whole base step: no draft pays for itself.
-    steep = StepCostModel([1, 2], [1.0, 2.0])
-    assert choose_draft_lengths(SURVIVALS, base_tokens=3, cost=steep) == [0, 0, 0]
-    # Base step 1.0 s for 3 tokens, then 0.3 s per token: a draft pays if S > rate * 0.3.
-    moderate = StepCostModel([3, 4], [1.0, 1.3])
-    lengths = choose_draft_lengths(SURVIVALS, base_tokens=3, cost=moderate)
-    chosen = sorted((s for row, k in zip(SURVIVALS, lengths) for s in row[:k]), reverse=True)
-    others = [s for row, k in zip(SURVIVALS, lengths) for s in row[k:]]
-    assert 0 < len(chosen) < sum(map(len, SURVIVALS))
-    assert min(chosen) >= max(others)  # only the likeliest drafts
-    best = max(expected_rate(SURVIVALS, list(ks), 3, moderate)
-               for ks in itertools.product(*(range(len(row) + 1) for row in SURVIVALS)))
-    assert expected_rate(SURVIVALS, lengths, 3, moderate) == pytest.approx(best, rel=1e-12)
+def test_free_verification_verifies_every_draft() -> None:
+    flat = costs_of(1.0, {2: 1.0, 4: 1.0, 8: 1.0})
+    assert choose_query_len(SURVIVALS, 3, flat) == 6  # the longest request's 5 drafts + 1
+    assert choose_query_len([[0.5, 0.2]], 1, flat) == 3
 
 
-def _random_instance(rng: random.Random) -> tuple[list[list[float]], int, StepCostModel]:
-    rows = []
-    for _ in range(rng.randint(2, 3)):
-        row, running = [], 1.0
-        for _ in range(rng.randint(0, 4)):
-            # Coarse values now and then, so that equal survivals (ties) occur.
-            c = rng.choice([rng.random(), rng.choice([0.0, 0.5, 1.0])])
-            running *= c
-            row.append(running)
-        rows.append(row)
-    counts = sorted(rng.sample(range(1, 20), rng.randint(1, 5)))
-    times, t = [], rng.uniform(0.0, 1.0)
-    for _ in counts:
-        t += rng.choice([0.0, rng.uniform(0.0, 0.5), rng.uniform(0.0, 3.0)])
-        times.append(t)
-    return rows, rng.randint(0, 4), StepCostModel(counts, times, rng.uniform(0.0, 0.5))
+def test_steep_verification_verifies_nothing() -> None:
+    steep = costs_of(1.0, {2: 10.0, 4: 20.0, 8: 40.0})
+    assert choose_query_len(SURVIVALS, 3, steep) == 1
+    assert choose_query_len([], 3, steep) == 1
 
 
-def test_greedy_prefix_matches_exhaustive_search() -> None:
-    rng = random.Random(1234)
-    for _ in range(2000):
-        rows, base, cost = _random_instance(rng)
-        got = choose_draft_lengths(rows, base, cost)
-        assert all(0 <= k <= len(row) for k, row in zip(got, rows))
-        best = max(expected_rate(rows, list(ks), base, cost)
-                   for ks in itertools.product(*(range(len(row) + 1) for row in rows)))
-        assert math.isclose(expected_rate(rows, got, base, cost), best, rel_tol=1e-9,
-                            abs_tol=1e-9), (rows, base, cost, got)
+def test_the_chosen_shape_maximises_the_expected_rate() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        rows = [[rng.random() for _ in range(rng.randint(0, 7))] for _ in range(rng.randint(1, 4))]
+        rows = [survival(row) for row in rows]
+        requests = len(rows) + rng.randint(0, 3)
+        verify = {q: rng.uniform(1.0, 4.0) for q in (2, 4, 8)}
+        costs = costs_of(1.0, verify)
+        chosen = choose_query_len(rows, requests, costs)
+        longest = max(len(row) for row in rows)
+        assert 1 <= chosen <= longest + 1
+        best = max(expected_rate(rows, q, requests, costs) for q in costs.query_lens)
+        assert math.isclose(expected_rate(rows, chosen, requests, costs), best, rel_tol=1e-9)
 
 
-def test_choice_is_prefix_closed_per_request() -> None:
-    # Request 1's second draft is likelier than request 0's first, but request 1's first is
-    # not: the choice never verifies a draft without the drafts before it.
-    rows = [[0.5], [0.4, 0.4, 0.1]]
-    cost = StepCostModel([2, 3, 4, 5], [1.0, 1.0, 1.0, 10.0])
-    assert choose_draft_lengths(rows, 2, cost) == [1, 1]
-    cost = StepCostModel([2, 4, 5], [1.0, 1.0, 10.0])
-    assert choose_draft_lengths(rows, 2, cost) == [1, 1]  # two slots: 0.5 and request 1's first
-    # An inconsistent survival above its predecessor is lowered to it: still a prefix.
-    rows = [[0.2, 0.9, 0.9], [0.3]]
-    lengths = choose_draft_lengths(rows, 2, StepCostModel([2, 4, 6], [1.0, 1.0, 50.0]))
-    assert lengths == [1, 1]
-    assert choose_draft_lengths([], 0, cost) == []
-    assert choose_draft_lengths([[], []], 2, cost) == [0, 0]
+def test_an_inconsistent_survival_is_lowered_to_its_predecessor() -> None:
+    flat = costs_of(1.0, {8: 1.0})
+    # 0.9 after 0.2 cannot be: drafts 1..2 survive together at most as often as draft 1.
+    assert expected_rate([[0.2, 0.9]], 8, 1, flat) == pytest.approx(1 + 0.2 + 0.2)
 
 
-def test_base_emitted_counts_requests_without_drafts() -> None:
-    # Many requests decode without drafts: their tokens make each extra token cost more in
-    # rate, so fewer drafts are worth verifying.
-    rows = [[0.45, 0.3]]  # alone both pay; with 20 tokens at stake a draft needs S > 0.51
-    cost = StepCostModel([1, 100], [1.0, 1.0 + 99 * 0.05])
-    assert choose_draft_lengths(rows, 1, cost) == [2]
-    assert choose_draft_lengths(rows, 20, cost, base_emitted=20) == [0]
+def test_drafting_is_worth_it_only_when_acceptance_pays_for_the_drafter() -> None:
+    costs = costs_of(1.0, {8: 2.0}, draft=1.0)
+    # With drafts: (1 + sum S) / 3 per request against 1 / 1 plain.
+    assert worth_drafting(survival([0.95] * 7), 4, costs)  # 1 + 5.5 > 3
+    assert not worth_drafting(survival([0.5] * 7), 4, costs)  # 1 + 1 < 3
+    assert not worth_drafting(survival([0.9] * 7), 4, costs_of(1.0, {8: 2.0}, draft=9.0))

@@ -141,7 +141,7 @@ def test_graphs_for_draft_and_verify_passes_give_the_eager_output(drafter_dir):
         outputs[eager] = llm.generate(prompts, params)
         worker = llm.engine.executor.worker
         if not eager:
-            assert worker.verify_graphs.replays > 0
+            assert sum(g.replays for g in worker.graphs if g.query_len > 1) > 0
             assert llm.engine.proposer.graphs.replays > 0
     assert_same_outputs(outputs[False], outputs[True])
     plain = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", max_num_seqs=8)

@@ -193,7 +193,7 @@ def test_a_stop_string_inside_an_accepted_span_ends_the_output_there(plain_and_s
 
 
 def test_adaptive_verification_keeps_outputs_and_follows_the_step_cost(plain_and_speculative):
-    from muse.speculative.adaptive import StepCostModel
+    from muse.speculative.adaptive import StepCosts
 
     plain, _ = plain_and_speculative
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -201,13 +201,15 @@ def test_adaptive_verification_keeps_outputs_and_follows_the_step_cost(plain_and
     want = plain.generate(prompts, params)
     adaptive = engine(speculative_config=NGRAM | {"enable_adaptive_verification": True})
     try:
-        assert adaptive.engine.verification_cost is not None  # profiled at start-up
+        costs = adaptive.engine.step_costs  # profiled at start-up
+        assert costs is not None and costs.query_lens[0] == 1
         assert_same_outputs(adaptive.generate(prompts, params), want)
         stats = adaptive.engine.spec_stats
-        # A step whose cost does not grow with its tokens verifies every draft; one whose
-        # cost grows steeply verifies none. Outputs stay plain decoding's either way.
-        for curve, verified in (([1.0, 1.0], True), ([1e-3, 1e3], False)):
-            adaptive.engine.verification_cost = StepCostModel([1, 4096], curve)
+        # A verify step that costs what a decode step costs verifies every draft; one that
+        # costs far more verifies none. Outputs stay plain decoding's either way.
+        for verify, verified in ((1.0, True), (1e3, False)):
+            adaptive.engine.step_costs = StepCosts(
+                [1, 64], {q: [1.0 if q == 1 else verify] * 2 for q in costs.query_lens})
             before = stats.num_draft_tokens
             assert_same_outputs(adaptive.generate(prompts, params), want)
             assert (stats.num_draft_tokens > before) == verified
