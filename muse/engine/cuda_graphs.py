@@ -86,10 +86,12 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory the larger ones took.
         for size in reversed(self.buckets):
-            input_ids, meta = self._inputs(size)
             # The warm-up run compiles kernels and settles allocations outside the capture.
-            self.model(input_ids, meta, self.kv_caches)
+            self.model(*self._inputs(size), self.kv_caches)
             torch.cuda.synchronize()
+            # Fresh metadata for the capture: kernels may keep views of a step on it
+            # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's memory.
+            input_ids, meta = self._inputs(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(input_ids, meta, self.kv_caches)
