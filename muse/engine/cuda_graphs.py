@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.query_start = torch.arange(size + 1, device=device) * query_len
         self.tables = {kind: zeros(size, width) for kind, width in table_widths.items()}
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
+        self.host_real_rows: list[int] = []
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
@@ -145,7 +146,14 @@ class DecodeGraphs:
                 staged[offset:offset + size * width].view(size, width))
             offset += size * width
         self.real_rows[:len(real_rows)].copy_(staged[offset:])
+        self.host_real_rows = real_rows
         return size
+
+    def input_rows(self, indices: list[int]) -> list[int]:
+        """The rows of `input_ids` that hold the last prepared step's tokens at `indices`."""
+        if self.query_len == 1:
+            return indices
+        return [self.host_real_rows[i] for i in indices]
 
     def _padded_queries(self, batch: HostBatch, size: int
                         ) -> tuple[list[list[int]], list[int], list[int]]:

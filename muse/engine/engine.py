@@ -496,6 +496,7 @@ class EngineCore:
             proposals = self._adapt_drafts(ready, proposals)
         for request, drafts in zip(ready, proposals):
             request.spec_token_ids, request.spec_token_probs = drafts.tokens, drafts.probs
+            request.spec_token_device = drafts.device
 
     def _worth_drafting(self) -> bool:
         """Adaptive verification: draft this step only if, at the acceptance seen so far, a
@@ -627,6 +628,7 @@ class EngineCore:
                 # rest is overwritten by later steps and never registered).
                 request.num_computed_tokens = request.num_tokens - 1
                 request.spec_token_ids, request.spec_token_probs = [], None
+                request.spec_token_device = None
             # After the append: the step launched since may already count this token computed.
             self.kv_cache.on_computed(request)
             committed.append(request)

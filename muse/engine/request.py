@@ -75,6 +75,10 @@ class Request:
     # back before the next).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_token_probs: torch.Tensor | None = None  # [drafts, vocab] q; None: one-hot drafts
+    # Drafts still on the device: row `index` of `tensor` [requests, G] holds them, and
+    # spec_token_ids only placeholders of their count (the step's inputs take the real ones
+    # on the device, and the verified tokens come back with the step's result).
+    spec_token_device: tuple[torch.Tensor, int] | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -37,6 +37,8 @@ class LaunchedStep:
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q, None: one-hot
     emitted: list[list[int]] | None = None
     emitted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    # Drafts left on the device: their tensor [requests, G] and each sampled request's row.
+    device_drafts: tuple[torch.Tensor, list[int]] | None = None
 
     def token_values(self) -> list[int]:
         return self.tokens_on_host.tolist() if self.tokens_on_host is not None else []
@@ -51,6 +53,7 @@ class PreparedStep:
     batch: HostBatch | None = None
     logits_rows: list[int] = field(default_factory=list)
     pending: tuple[list[int], list[int]] = ([], [])
+    pending_source: torch.Tensor | None = None  # the device tensor `pending` reads from
     delta: bytes | None = None  # the step as the other ranks get it (several ranks only)
     # (request id, prompt tokens predicted, first logits row, top logprobs wanted)
     prompt_spans: list[tuple[str, list[int], int, int]] = field(default_factory=list)
@@ -122,6 +125,11 @@ class ModelRunner:
         prepared = PreparedStep(LaunchedStep(
             scheduled, [s.request.num_computed_tokens for s in scheduled], []))
         sample_index: list[int] = []
+        # Drafts on the device: (input index of the first, row in their tensor, count), and
+        # each sampled request's row (0 for one without: its drafts count is 0).
+        device_drafts: list[tuple[int, int, int]] = []
+        draft_rows: list[int] = []
+        draft_tensor = None
         offset = 0
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -141,6 +149,11 @@ class ModelRunner:
                 sample_index.extend(range(last - len(drafts), last + 1))
                 prepared.step.drafts.append(list(drafts))
                 prepared.step.draft_probs.append(request.spec_token_probs)
+                row = 0
+                if request.spec_token_device is not None and drafts:
+                    draft_tensor, row = request.spec_token_device
+                    device_drafts.append((last - len(drafts) + 1, row, len(drafts)))
+                draft_rows.append(row)
                 prepared.step.sampled.append(request)
                 prepared.sample_rows.append(SamplingRow(
                     request.params, request.prompt_token_ids, request.output_token_ids,
@@ -154,6 +167,15 @@ class ModelRunner:
             prepared.delta = self.step_encoder.encode_bytes(scheduled,
                                                             self.kv_cache.block_tables)
         prepared.pending = self._pending_inputs(scheduled, previous)
+        prepared.pending_source = previous.tokens if previous is not None else None
+        if device_drafts:
+            # Speculation reads each step back before the next: nothing else is pending.
+            width = draft_tensor.shape[1]
+            prepared.pending = ([first + i for first, _, n in device_drafts for i in range(n)],
+                                [row * width + i for _, row, n in device_drafts
+                                 for i in range(n)])
+            prepared.pending_source = draft_tensor.view(-1)
+            prepared.step.device_drafts = (draft_tensor, draft_rows)
         return prepared
 
     @torch.inference_mode()
@@ -166,7 +188,7 @@ class ModelRunner:
         if any(step.drafts):
             step.emitted, step.emitted_logprobs = sample_with_drafts(
                 logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
-                self.rejection_sample_method, step.draft_probs)
+                self.rejection_sample_method, step.draft_probs, step.device_drafts)
         elif prepared.sample_rows:
             step.tokens, step.logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
@@ -181,6 +203,5 @@ class ModelRunner:
         Input tokens of `previous` not read back yet are taken from its device tensor."""
         prepared = self.prepare(scheduled, previous)
         logits = self.executor.execute(prepared.batch, prepared.logits_rows, prepared.pending,
-                                       previous.tokens if previous is not None else None,
-                                       prepared.delta)
+                                       prepared.pending_source, prepared.delta)
         return self.sample(prepared, logits)

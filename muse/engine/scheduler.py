@@ -67,6 +67,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_token_probs = [], None
+        request.spec_token_device = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.add(request, front=True)

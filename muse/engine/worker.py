@@ -23,8 +23,8 @@ from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import ContextParallelMetadata
 from muse.model.decoder import EngineModel
 
-# Input positions still on the device (sampled by the step before, not read back), and the
-# rows of that step's token tensor that hold them.
+# Input positions still on the device (sampled by the step before and not read back, or
+# drafts left there by the drafter), and the rows of the tensor that holds them.
 PendingInputs = tuple[list[int], list[int]]
 
 
@@ -168,12 +168,11 @@ class ModelWorker:
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits."""
         for graphs in self.graphs:
-            # Pending inputs come with the overlapped schedule, which speculation turns off.
-            if graphs.query_len > 1 and pending[0]:
-                continue
             size = graphs.prepare(batch)
             if size is not None:
-                self._fill_pending(graphs.input_ids, pending, previous_tokens)
+                targets, sources = pending
+                self._fill_pending(graphs.input_ids, (graphs.input_rows(targets), sources),
+                                   previous_tokens)
                 return graphs.replay(size, batch)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:
@@ -199,7 +198,8 @@ class ModelWorker:
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: PendingInputs,
                       previous_tokens: torch.Tensor | None) -> None:
-        """Write the previous step's sampled tokens into this step's input ids, on the device."""
+        """Write tokens still on the device (the previous step's samples, or drafts) into
+        this step's input ids."""
         targets, sources = pending
         if not targets:
             return

@@ -24,6 +24,7 @@ from muse.speculative.draft_graphs import DraftGraphs
 from muse.speculative.draft_kv import DraftKV
 from muse.speculative.drafter import MuseDrafter, load_drafter
 from muse.speculative.ngram import WINDOW, propose_ngram
+from muse.speculative.sampling import uses_output_tokens
 from muse.speculative.suffix import SuffixProposer
 
 class Drafts(NamedTuple):
@@ -34,6 +35,8 @@ class Drafts(NamedTuple):
     tokens: list[int]
     probs: torch.Tensor | None = None
     confidence: list[float] | None = None
+    # (tensor [requests, G], row): drafts left on the device, `tokens` then placeholders.
+    device: tuple[torch.Tensor, int] | None = None
 
 
 class NgramProposer:
@@ -60,6 +63,11 @@ class DrafterProposer:
     def __init__(self, drafter: MuseDrafter, config: SpeculativeConfig) -> None:
         self.drafter = drafter
         self.config = config
+        # Greedy drafts stay on the device, feeding the verify step's inputs there, unless
+        # something on the host needs them first: the adaptive choice (the confidences) or a
+        # penalty (the drafts count as output).
+        self.drafts_on_device = (config.draft_sample_method == "greedy"
+                                 and not config.enable_adaptive_verification)
         self.kv: DraftKV | None = None
         self.graphs: DraftGraphs | None = None
         self.block_tables: Callable[[Request], dict[str, list[int]]] | None = None
@@ -132,6 +140,10 @@ class DrafterProposer:
                 to_device([t + [0] * (width - len(t)) for t in tables], device),
                 to_device(temperatures, device, torch.float32) if any(temperatures) else None,
                 generator)
+        if self.drafts_on_device and not any(uses_output_tokens(r.params) for r, _ in active):
+            return {request.request_id: Drafts([0] * min(room, proposal.tokens.shape[1]),
+                                               device=(proposal.tokens, index))
+                    for index, (request, room) in enumerate(active)}
         tokens = proposal.tokens.tolist()
         confidence = proposal.confidence.tolist() if proposal.confidence is not None else None
         return {request.request_id: Drafts(

@@ -28,12 +28,15 @@ from muse.speculative.verification import verify_block, verify_greedy, verify_to
 
 def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
                        rejection_sample_method: str = "token",
-                       draft_probs: list[torch.Tensor | None] | None = None
+                       draft_probs: list[torch.Tensor | None] | None = None,
+                       device_drafts: tuple[torch.Tensor, list[int]] | None = None
                        ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
     """`logits` holds, request after request, the g_r + 1 rows of each request's step;
     `draft_probs[r]` [g_r, vocab] is the distribution request r's drafts were drawn from
-    (None: one-hot). Returns each request's emitted tokens (its t accepted drafts, then one
-    more) and their logprobs (None where not asked for)."""
+    (None: one-hot). With `device_drafts` (tensor [N, G], row of each request) the drafts'
+    values are that tensor's and `drafts` only gives their counts. Returns each request's
+    emitted tokens (its t accepted drafts, then one more) and their logprobs (None where not
+    asked for)."""
     device = logits.device
     num_requests, vocab = len(rows), logits.shape[1]
     width = max(len(d) for d in drafts)
@@ -42,12 +45,16 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     # The rows of each request's logits (its last row repeated past its drafts), the drafts
     # padded to the widest, their counts and the greedy mask: one copy to the device.
     index = [min(s + i, e - 1) for s, e in zip(starts, starts[1:]) for i in range(width + 1)]
-    padded = [token for d in drafts for token in d + [0] * (width - len(d))]
+    padded = device_drafts[1] if device_drafts is not None \
+        else [token for d in drafts for token in d + [0] * (width - len(d))]
     staged = to_device(index + padded + [len(d) for d in drafts] + greedy, device)
     index, draft_tokens, num_drafts, greedy_mask = staged.split(
         [len(index), len(padded), num_requests, num_requests])
     index = index.view(num_requests, width + 1)
-    draft_tokens = draft_tokens.view(num_requests, width)
+    if device_drafts is not None:
+        draft_tokens = device_drafts[0].index_select(0, draft_tokens)[:, :width]
+    else:
+        draft_tokens = draft_tokens.view(num_requests, width)
     greedy_mask = greedy_mask.bool()
 
     expanded = [row_i for row, draft in zip(rows, drafts) for row_i in _draft_rows(row, draft)]
@@ -76,10 +83,11 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
 
 def _processes_logits(params: SamplingParams) -> bool:
     """Whether `apply_logit_processing` changes anything for a request with these params."""
-    return bool(params.logit_bias) or params.min_tokens > 0 or _uses_output(params)
+    return bool(params.logit_bias) or params.min_tokens > 0 or uses_output_tokens(params)
 
 
-def _uses_output(params: SamplingParams) -> bool:
+def uses_output_tokens(params: SamplingParams) -> bool:
+    """Whether sampling reads the output tokens themselves (penalties), not just their count."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
 
@@ -88,7 +96,7 @@ def _draft_rows(row: SamplingRow, draft: list[int]) -> list[SamplingRow]:
     """The request's row for each of its g + 1 logits rows: the i-th as if drafts 1..i had
     been sampled. Only penalties read the output tokens themselves (copied per row); the
     others just count them, and rows that do neither share the request's row."""
-    if _uses_output(row.params):
+    if uses_output_tokens(row.params):
         return [replace(row, output_token_ids=row.output_token_ids + draft[:i])
                 for i in range(len(draft) + 1)]
     if row.params.min_tokens > 0:

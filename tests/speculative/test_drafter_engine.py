@@ -68,11 +68,13 @@ def test_the_context_writer_gets_the_reference_layer_outputs(drafter_dir):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir):
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-drafts", "host-drafts"])
+def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir, on_device):
     """Greedy output equals plain decoding's, and every proposal equals the drafter's own
     (`MuseDrafter.propose`, per-request context) over the reference's hidden states of the
     request's committed tokens: the pages hold each position's row, rejected drafts never
-    leak into a context, and a prefix served by the prefix cache has its rows too."""
+    leak into a context, and a prefix served by the prefix cache has its rows too. Drafts
+    left on the device (the default for greedy drafts) feed the verify step there."""
     plain = engine()
     drafted = engine(speculative_config=spec(drafter_dir),
                      max_num_batched_tokens=24, max_num_seqs=4)
@@ -81,7 +83,8 @@ def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir):
     prompts = mixed_prompts(8192, 16, count=4, seed=5) + [shared + [40, 41], shared + [42]]
     want = plain.generate(prompts, params)
     proposer = drafted.engine.proposer
-    assert isinstance(proposer, DrafterProposer)
+    assert isinstance(proposer, DrafterProposer) and proposer.drafts_on_device
+    proposer.drafts_on_device = on_device
     drafter, layers = proposer.drafter, drafted.engine.model.capture_layers
     checked = []
     original = proposer.propose
@@ -97,9 +100,15 @@ def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir):
             own = drafter.propose(reference_hidden(drafted, tokens[:anchor], layers),
                                   torch.arange(anchor), [anchor], torch.tensor([tokens[-1]]),
                                   torch.tensor([anchor]), [cache])
-            assert drafts.tokens == own.tokens[0, :room].tolist()
-            torch.testing.assert_close(torch.tensor(drafts.confidence),
-                                       own.confidence[0, :room], atol=1e-4, rtol=1e-4)
+            if on_device:
+                tensor, row = drafts.device
+                assert tensor[row, :room].tolist() == own.tokens[0, :room].tolist()
+                assert drafts.tokens == [0] * room and drafts.confidence is None
+            else:
+                assert drafts.device is None
+                assert drafts.tokens == own.tokens[0, :room].tolist()
+                torch.testing.assert_close(torch.tensor(drafts.confidence),
+                                           own.confidence[0, :room], atol=1e-4, rtol=1e-4)
             checked.append(request.num_cached_tokens)
         return proposals
 
