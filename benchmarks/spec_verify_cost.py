@@ -9,7 +9,9 @@ two kinds of step built from the requests' real block tables:
            eagerly and, on CUDA unless --enforce-eager, through the engine's captured decode
            CUDA graphs (`DecodeGraphs`, as plain decoding runs);
   verify:  each request feeds that token and k draft tokens (random ids) at the next 1 + k
-           positions, logits for all 1 + k rows; eagerly, as the engine runs verify steps.
+           positions, logits for all 1 + k rows; eagerly and, on CUDA unless
+           --enforce-eager, through the engine's captured verify graphs (the engine is built
+           with n-gram speculation of max(k) tokens, which captures them).
 
 Each figure is `ModelWorker.execute(batch, logits_rows)` alone (host metadata copy, forward,
 LM head): the median of --repeats runs after --warmup untimed ones, the device idle before and
@@ -71,9 +73,10 @@ METHOD = {
                        "graphs (DecodeGraphs, as the engine decodes); null where there are "
                        "none (CPU, --enforce-eager)",
     "verify_ms": "the same, for a step feeding each request its next token and k draft "
-                 "tokens (random ids) at the next 1 + k positions, logits for all 1 + k rows; "
-                 "eager, as the engine runs verify steps (its decode graphs cover one-token "
-                 "queries only)",
+                 "tokens (random ids) at the next 1 + k positions, logits for all 1 + k rows: "
+                 "through the engine's verify CUDA graphs where it has them (the graph of the "
+                 "shortest captured query length that holds 1 + k), else eager; "
+                 "verify_eager_ms always eager",
     "check": "first_rows_max_abs_diff / first_rows_argmax_agree: each request's first "
              "verify row against the decode step's logits (the same query: token, position "
              "and cached context), so a wrong block table or position shows",
@@ -212,7 +215,7 @@ def measure(llm, requests: list, args: argparse.Namespace, device, roof: Rooflin
     """One batch size's row: decode (eager, graphs) and verify at every k."""
     engine, machine = llm.engine, roof.machine
     worker = engine.executor.worker
-    graphs = worker.decode_graphs
+    graphs, captured = worker.decode_graphs, worker.graphs
     starts = [r.num_computed_tokens for r in requests]
     size = len(requests)
     row: dict[str, Any] = {"batch_size": size, "context_min": min(starts),
@@ -220,12 +223,16 @@ def measure(llm, requests: list, args: argparse.Namespace, device, roof: Rooflin
 
     decode = step_batch(engine, requests, 1, rng, vocab)
     rows = list(range(decode.num_tokens))
-    worker.decode_graphs = None
-    try:
-        eager = time_runs(lambda: worker.execute(decode, rows), device, args.warmup,
-                          args.repeats)
-    finally:
-        worker.decode_graphs = graphs
+
+    def eager_runs(batch, rows: list[int]) -> dict[str, Any]:
+        worker.graphs = []
+        try:
+            return time_runs(lambda: worker.execute(batch, rows), device, args.warmup,
+                             args.repeats)
+        finally:
+            worker.graphs = captured
+
+    eager = eager_runs(decode, rows)
     decode_roof = machine.time(*roof.decode_step(starts))
     row["decode"] = {"tokens": decode.num_tokens, "eager_ms": eager["ms"],
                      "eager_min_ms": eager["min_ms"], "eager_runs_ms": eager["runs_ms"],
@@ -250,8 +257,10 @@ def measure(llm, requests: list, args: argparse.Namespace, device, roof: Rooflin
     for k in args.num_draft_tokens:
         verify = step_batch(engine, requests, 1 + k, rng, vocab)
         rows = list(range(verify.num_tokens))
+        verify_eager = eager_runs(verify, rows)
+        in_graph = any(g.covers(verify) for g in captured if g.query_len > 1)
         timing = time_runs(lambda: worker.execute(verify, rows), device, args.warmup,
-                           args.repeats)
+                           args.repeats) if in_graph else verify_eager
         # Each request's first verify row is the decode step's query: same token, position
         # and cached context, so the same logits up to kernel rounding.
         first = worker.execute(verify, rows)[::1 + k]
@@ -259,7 +268,8 @@ def measure(llm, requests: list, args: argparse.Namespace, device, roof: Rooflin
         step_ms = timing["ms"] + args.draft_ms
         row["verify"].append({
             "k": k, "tokens": verify.num_tokens, "ms": timing["ms"],
-            "min_ms": timing["min_ms"], "runs_ms": timing["runs_ms"],
+            "min_ms": timing["min_ms"], "runs_ms": timing["runs_ms"], "cuda_graph": in_graph,
+            "eager_ms": verify_eager["ms"],
             "ratio_to_decode": timing["ms"] / baseline,
             "ratio_to_eager_decode": timing["ms"] / eager["ms"],
             "roofline_ms": verify_roof * 1e3, "roofline_ratio": verify_roof / decode_roof,
@@ -290,9 +300,13 @@ def run(args: argparse.Namespace, device, record: dict[str, Any]) -> None:
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         max_model_len=args.context + margin + k_max + 1, max_num_seqs=largest,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, overlap_schedule=False)
+        gpu_memory_utilization=args.gpu_memory_utilization, overlap_schedule=False,
+        # Speculation makes the engine capture its verify graphs; n-gram needs no drafter.
+        speculative_config={"method": "ngram", "num_speculative_tokens": k_max})
     info["build_s"] = time.perf_counter() - started
     info["decode_graphs"] = llm.engine.executor.worker.decode_graphs is not None
+    info["verify_graph_query_lens"] = [g.query_len for g in llm.engine.executor.worker.graphs
+                                       if g.query_len > 1]
     record["engine"] = info
     requests, info["prefill_s"] = prefill_requests(llm, largest, args, rng, text.vocab_size)
     for request in requests:
@@ -316,8 +330,8 @@ def run(args: argparse.Namespace, device, record: dict[str, Any]) -> None:
 
 def report(record: dict[str, Any]) -> str:
     lengths = [f"{x:g}" for x in record["config"]["acceptance_lengths"]]
-    headers = ["batch", "context", "decode ms", "graph ms", "k", "verify ms", "verify/dec",
-               "roof ratio", "break-even L", *[f"x at L={x}" for x in lengths]]
+    headers = ["batch", "context", "decode ms", "graph ms", "k", "verify eager", "verify ms",
+               "verify/dec", "roof ratio", "break-even L", *[f"x at L={x}" for x in lengths]]
     rows = []
     for row in record["rows"]:
         if "error" in row:
@@ -329,15 +343,16 @@ def report(record: dict[str, Any]) -> str:
             else f"{row['context_min']}-{row['context_max']}"
         for verify in row["verify"]:
             rows.append([str(row["batch_size"]), context, fmt(decode["eager_ms"], 2),
-                         fmt(decode["graph_ms"], 2), str(verify["k"]), fmt(verify["ms"], 2),
+                         fmt(decode["graph_ms"], 2), str(verify["k"]),
+                         fmt(verify["eager_ms"], 2), fmt(verify["ms"], 2),
                          fmt(verify["ratio_to_decode"], 2), fmt(verify["roofline_ratio"], 2),
                          fmt(verify["break_even_L"], 2),
                          *[fmt(verify["speedup"].get(x), 2) for x in lengths]])
     draft = record["config"]["draft_ms"]
     return "\n".join([
         table(headers, rows),
-        "decode ms: eager; graph ms: the engine's decode CUDA graphs; verify: eager. "
-        "verify/dec, break-even L and speedups against "
+        "decode ms: eager; graph ms: the engine's decode CUDA graphs; verify ms: its verify "
+        "graphs where it has them, else eager. verify/dec, break-even L and speedups against "
         + ("the graph decode step" if record["engine"].get("decode_graphs")
            else "the eager decode step")
         + f"; speedup(L) = L * T_decode / (T_verify + {draft:g} ms drafting); "

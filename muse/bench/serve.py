@@ -23,7 +23,7 @@ from muse.bench.plot import plot_levels
 from muse.bench.random_lengths import RandomSettings, generate_random
 from muse.bench.results import results_document, write_results
 from muse.bench.runner import Level, LevelRun, ReplayOptions, run_level
-from muse.bench.server_metrics import prefix_cache_counters, prefix_cache_delta
+from muse.bench.server_metrics import prefix_cache_delta, server_counters, spec_decode_delta
 from muse.bench.shared_prefix import SharedPrefixSettings, generate_shared_prefix
 from muse.bench.summary import SLO, summarize
 from muse.bench.tokens import CharsPerToken, Sizer, TokenCounter, server_tokenizer
@@ -119,6 +119,11 @@ def format_summary(summary: dict[str, Any]) -> str:
          + (f"; goodput {goodput['requests_per_s']:.2f} req/s ({goodput['attainment']:.0%} "
             f"within SLO)" if goodput else "")),
     ]
+    spec = summary.get("spec_decode")
+    if spec is not None:
+        rates = " ".join(f"{rate:.0%}" for rate in spec["accepted_per_position"])
+        lines.append(f"  speculative: mean acceptance length {spec['mean_acceptance_length']:.2f}"
+                     f" over {spec['num_drafts']:.0f} drafts; accepted per position {rates}")
     return "\n".join(lines + [f"  error: {e}" for e in summary["errors"]])
 
 
@@ -134,10 +139,11 @@ async def run_levels(args: argparse.Namespace, trace: Trace, levels: list[Level]
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout,
                                  limits=limits) as http:
         for level in levels:
-            before = await prefix_cache_counters(http)
+            before = await server_counters(http)
             run = await run_level(http, trace.sessions[:level.num_sessions], level, options)
-            after = await prefix_cache_counters(http)
-            summary = summarize(run, args.num_gpus, slo, prefix_cache_delta(before, after))
+            after = await server_counters(http)
+            summary = summarize(run, args.num_gpus, slo, prefix_cache_delta(before, after),
+                                spec_decode_delta(before, after))
             print(format_summary(summary), flush=True)
             summaries.append(summary)
             runs.append(run)

@@ -65,7 +65,8 @@ def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float
 
 
 def summarize(run: LevelRun, num_gpus: int, slo: SLO,
-              server_prefix_cache: dict[str, float] | None) -> dict[str, Any]:
+              server_prefix_cache: dict[str, float] | None,
+              spec_decode: dict[str, Any] | None = None) -> dict[str, Any]:
     done = [r for r in run.records if r.ok]
     duration = run.duration_s or float("nan")
     input_tokens = sum(r.prompt_tokens or 0 for r in done)
@@ -101,6 +102,8 @@ def summarize(run: LevelRun, num_gpus: int, slo: SLO,
             "usage_hit_rate": usage_cached / input_tokens
             if usage_cached is not None and input_tokens else None,
             **(server_prefix_cache or {"server_hit_rate": None})},
+        # The server's speculative-decoding counters over the level (None: it has none).
+        "spec_decode": spec_decode,
         "errors": sorted({r.error for r in run.records if r.error})[:5],
     }
     if slo.is_set:
