@@ -293,8 +293,9 @@ def run(args: argparse.Namespace, device, record: dict[str, Any]) -> None:
     rng = np.random.default_rng(args.seed)
     largest, k_max = max(args.batch_sizes), max(args.num_draft_tokens)
     batched = args.max_num_batched_tokens or EngineArgs().max_num_batched_tokens
-    # Room for what early requests decode while the others prefill, and for the drafts.
-    margin = -(-largest * args.context // batched) + 16
+    # Room for what early requests decode while the others prefill (up to 1 + k_max tokens a
+    # step: the engine speculates), and for the drafts.
+    margin = (-(-largest * args.context // batched) + 16) * (1 + k_max)
     started = time.perf_counter()
     llm, info = build_muse(
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
