@@ -29,17 +29,18 @@ def propose_ngram(tokens: Sequence[int], num_drafts: int, min_n: int, max_n: int
     # Ends of earlier occurrences of the last token, latest first (not the last one itself).
     ends = np.flatnonzero(tail[:-1] == tail[-1])[::-1]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = tail[length - n:]
-        best = None
-        for end in ends:
-            if end + 1 >= n and np.array_equal(tail[end + 1 - n:end + 1], pattern):
-                follow = tail[end + 1:end + 1 + num_drafts]
-                if len(follow) == num_drafts:
-                    return follow.tolist()
-                # A match close to the end has few tokens after it (a run repeating itself
-                # matches itself shifted by one): keep looking for a full continuation.
-                if best is None or len(follow) > len(best):
-                    best = follow
-        if best is not None:
-            return best.tolist()
+        candidates = ends[ends + 1 >= n]
+        if not len(candidates):
+            continue
+        # Each candidate's last n tokens, compared with the sequence's at once.
+        windows = tail[candidates[:, None] - (n - 1) + np.arange(n)]
+        matched = candidates[(windows == tail[length - n:]).all(axis=1)]
+        if not len(matched):
+            continue
+        # A match close to the end has few tokens after it (a run repeating itself matches
+        # itself shifted by one): the latest match with a full continuation wins, else the
+        # latest of those with the most tokens after them.
+        follow = np.minimum(length - 1 - matched, num_drafts)
+        end = matched[np.argmax(follow)]
+        return tail[end + 1:end + 1 + follow.max()].tolist()
     return []
