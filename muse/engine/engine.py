@@ -35,9 +35,11 @@ from muse.speculative.adaptive import (AcceptanceTracker, StepCosts, choose_quer
 from muse.speculative.proposer import (DrafterProposer, Drafts, NgramProposer, SuffixProposer,
                                       make_proposer)
 from muse.checkpoint.configs import load_config
+from muse.checkpoint.reader import CheckpointReader
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
 from muse.presets import PRESETS, get_preset
+from muse.quantization.config import load_quantization_config
 from muse.reference.model import MuseForCausalLM, init_weights, init_weights_on_device
 
 logger = logging.getLogger("muse")
@@ -71,8 +73,14 @@ def load_engine_model(args: EngineArgs, device: torch.device
     config = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
     dtype = args.resolve_dtype(config.dtype, device)
     backends = select_backends(device, args.attention_backend, args.moe_backend)
+    quant_config = None
+    if args.model not in PRESETS:
+        with CheckpointReader(args.model) as reader:
+            quant_config = load_quantization_config(args.model, reader.names())
+        if quant_config is not None:
+            logger.info("quantized checkpoint: %s", quant_config)
     with torch.device(device):
-        model = EngineModel(config.text_config, backends, dtype)
+        model = EngineModel(config.text_config, backends, dtype, quant_config)
     if args.model not in PRESETS:
         load_checkpoint(model, args.model)
         return config, model, dtype

@@ -37,7 +37,8 @@ from muse.distributed.parallel_state import (get_dp_group, get_ep_group, get_par
                                              get_tp_group)
 from muse.kernels.moe import fused_experts_torch
 from muse.layers.lazy_slice import LazySlice, copy_into
-from muse.layers.quantization import QuantizationConfig, moe_method, set_weight_attrs
+from muse.layers.quantization import (QUANTIZED_LEAVES, QuantizationConfig, moe_method,
+                                      set_weight_attrs)
 
 # Hugging Face Qwen3-MoE stores one matrix per expert projection,
 # `...mlp.experts.{e}.{gate,up,down}_proj.weight`; each loads into a fused parameter.
@@ -47,17 +48,20 @@ PER_EXPERT_PROJECTIONS: dict[str, tuple[str, str]] = {
     "down_proj": ("down_proj", "down"),
 }
 _PER_EXPERT_NAME = re.compile(r"^(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)"
-                              r"\.weight$")
+                              r"\.(?P<leaf>" + "|".join(QUANTIZED_LEAVES) + ")$")
 _PROJECTION_SHARDS = {"gate_up": ("gate", "up"), "down": ("down",)}
 
 
 def per_expert_target(name: str) -> tuple[str, int, str] | None:
     """`{e}.gate_proj.weight` (a name relative to the experts module) -> (parameter name,
-    expert_id, shard_id) for `FusedMoE.weight_loader`; None for any other name."""
+    expert_id, shard_id) for `FusedMoE.weight_loader`; None for any other name. A quantized
+    checkpoint's scales (`{e}.gate_proj.weight_scale`) load into `gate_up_proj_weight_scale`."""
     match = _PER_EXPERT_NAME.match(name)
     if match is None:
         return None
     param_name, shard_id = PER_EXPERT_PROJECTIONS[match["projection"]]
+    if match["leaf"] != "weight":
+        param_name = f"{param_name}_{match['leaf']}"
     return param_name, int(match["expert"]), shard_id
 
 
@@ -170,7 +174,12 @@ class FusedMoE(nn.Module):
             copy_into(target.select(expert_dims, shards.index(shard_id)), source, name)
             return
         # The intermediate features: the output rows of gate/up, the input columns of down.
-        dim = getattr(param, "output_dim" if projection == "gate_up" else "input_dim")
+        dim = getattr(param, "output_dim" if projection == "gate_up" else "input_dim", None)
+        if dim is None:
+            # Nothing along the intermediate features (down's per-channel scales run along
+            # the hidden width): the whole tensor, per expert.
+            copy_into(target, source, name)
+            return
         dim += expert_dims - 1
         if shard_id is None:
             # A stacked gate_up: gate half then up half along the intermediate dimension.

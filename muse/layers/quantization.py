@@ -43,6 +43,10 @@ from muse.kernels.moe_align import PairReduce
 
 WeightLoader = Callable[..., None]
 
+# A projection's tensors in a checkpoint, quantized or not: the weight, and the scales that
+# quantized layouts add next to it (`weight_scale_inv`: DeepSeek's block FP8, a multiplier).
+QUANTIZED_LEAVES = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
+
 
 def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
     """Tag a parameter for the weight loaders; a tag set twice is a bug, so it raises."""

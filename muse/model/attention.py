@@ -20,12 +20,14 @@ from muse.distributed.parallel_state import get_pcp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import AttentionBackend
 from muse.layers.linear import QKVParallelLinear, RowParallelLinear
+from muse.layers.quantization import QuantizationConfig
 from muse.layers.norm import RMSNorm
 
 
 class EngineAttention(nn.Module):
     def __init__(self, config: TextConfig, layer_index: int, backend: AttentionBackend,
-                 params_dtype: torch.dtype, prefix: str) -> None:
+                 params_dtype: torch.dtype, prefix: str,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.layer_type = config.layer_types[layer_index]
@@ -35,10 +37,11 @@ class EngineAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads,
             config.num_key_value_heads, bias=config.attention_bias, params_dtype=params_dtype,
-            prefix=f"{prefix}.qkv_proj")
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
                                         config.hidden_size, bias=False,
-                                        params_dtype=params_dtype, prefix=f"{prefix}.o_proj")
+                                        params_dtype=params_dtype, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         self.num_heads = self.qkv_proj.num_heads  # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         if config.qk_norm:

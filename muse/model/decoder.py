@@ -22,6 +22,7 @@ from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import ModelBackends
 from muse.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from muse.layers.norm import RMSNorm
+from muse.layers.quantization import QuantizationConfig
 from muse.model.attention import EngineAttention
 from muse.model.moe import EngineMLP, EngineMoE
 from muse.rope import cos_sin, inverse_frequencies
@@ -32,7 +33,8 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(?P<index>\d+)\.")
 
 class EngineDecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer_index: int, backends: ModelBackends,
-                 params_dtype: torch.dtype, prefix: str) -> None:
+                 params_dtype: torch.dtype, prefix: str,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.norms = backends.attention
         self.layer_type = config.layer_types[layer_index]
@@ -40,13 +42,13 @@ class EngineDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype,
                                        f"{prefix}.input_layernorm")
         self.self_attn = EngineAttention(config, layer_index, backends.attention, params_dtype,
-                                         f"{prefix}.self_attn")
+                                         f"{prefix}.self_attn", quant_config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype,
                                                 f"{prefix}.post_attention_layernorm")
         self.is_moe = config.is_moe
-        self.mlp = EngineMoE(config, backends.moe, params_dtype, f"{prefix}.mlp") \
+        self.mlp = EngineMoE(config, backends.moe, params_dtype, f"{prefix}.mlp", quant_config) \
             if config.is_moe else EngineMLP(config.hidden_size, config.intermediate_size,
-                                            params_dtype, f"{prefix}.mlp")
+                                            params_dtype, f"{prefix}.mlp", quant_config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary,
                 meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
@@ -83,7 +85,8 @@ class EngineModel(nn.Module):
     global index in parameter names (`model.layers.{i}`), so checkpoints load unchanged."""
 
     def __init__(self, config: TextConfig, backends: ModelBackends,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.norms = backends.attention
@@ -98,7 +101,8 @@ class EngineModel(nn.Module):
                 config.vocab_size, config.hidden_size, params_dtype=dtype,
                 prefix="model.embed_tokens")
         self.model.layers = nn.ModuleDict({
-            str(i): EngineDecoderLayer(config, i, backends, dtype, f"model.layers.{i}")
+            str(i): EngineDecoderLayer(config, i, backends, dtype, f"model.layers.{i}",
+                                       quant_config)
             for i in self.layer_indices})
         if self.is_last_stage:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,

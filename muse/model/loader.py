@@ -20,13 +20,14 @@ from torch import nn
 from muse.checkpoint.layout import CheckpointError, format_names
 from muse.checkpoint.reader import CheckpointReader
 from muse.layers.fused_moe import per_expert_target
-from muse.layers.quantization import process_weights_after_loading
+from muse.layers.quantization import QUANTIZED_LEAVES, process_weights_after_loading
 
 # Checkpoint projection -> (fused engine parameter, its part), as the layers name them.
 FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                "up_proj": ("gate_up_proj", 1)}
-_PROJECTION = re.compile(r"^(?P<owner>.+)\.(?P<projection>[a-z_]+)\.(?P<leaf>weight|bias)$")
+_PROJECTION = re.compile(r"^(?P<owner>.+)\.(?P<projection>[a-z_]+)\.(?P<leaf>"
+                         + "|".join(("bias",) + QUANTIZED_LEAVES) + ")$")
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<rest>\d+\..+)$")
 
 

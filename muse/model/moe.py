@@ -15,20 +15,21 @@ from muse.config import TextConfig
 from muse.kernels.backends import MoEBackend
 from muse.layers.fused_moe import FusedMoE
 from muse.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from muse.layers.quantization import QuantizationConfig
 
 
 class EngineMLP(nn.Module):
     """SwiGLU: gate and up in one column-parallel GEMM, down row-parallel (one all-reduce)."""
 
     def __init__(self, hidden: int, intermediate: int, params_dtype: torch.dtype,
-                 prefix: str) -> None:
+                 prefix: str, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate, intermediate], bias=False, params_dtype=params_dtype,
-            prefix=f"{prefix}.gate_up_proj")
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False,
-                                           params_dtype=params_dtype,
+                                           params_dtype=params_dtype, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,28 +39,32 @@ class EngineMLP(nn.Module):
 
 class EngineMoE(nn.Module):
     def __init__(self, config: TextConfig, backend: MoEBackend, params_dtype: torch.dtype,
-                 prefix: str) -> None:
+                 prefix: str, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         hidden, latent = config.hidden_size, config.moe_latent_size
         self.gate = ReplicatedLinear(hidden, config.num_experts, bias=False,
-                                     params_dtype=params_dtype, prefix=f"{prefix}.gate")
+                                     params_dtype=params_dtype, quant_config=quant_config,
+                                     prefix=f"{prefix}.gate")
         if latent:
             self.pooler = ReplicatedLinear(hidden, latent, bias=False,
-                                           params_dtype=params_dtype, prefix=f"{prefix}.pooler")
+                                           params_dtype=params_dtype, quant_config=quant_config,
+                                           prefix=f"{prefix}.pooler")
             self.unpooler = ReplicatedLinear(latent, hidden, bias=False,
                                              params_dtype=params_dtype,
+                                             quant_config=quant_config,
                                              prefix=f"{prefix}.unpooler")
         else:
             self.pooler = self.unpooler = None
         self.experts = FusedMoE(config.num_experts, config.expert_input_size,
                                 config.moe_intermediate_size, config.expert_norm,
                                 config.rms_norm_eps, params_dtype=params_dtype,
-                                prefix=f"{prefix}.experts", experts_kernel=backend.fused_experts)
+                                quant_config=quant_config, prefix=f"{prefix}.experts",
+                                experts_kernel=backend.fused_experts)
         self.shared_expert = EngineMLP(
             hidden, config.moe_intermediate_size * config.num_shared_experts, params_dtype,
-            f"{prefix}.shared_expert") if config.num_shared_experts else None
+            f"{prefix}.shared_expert", quant_config) if config.num_shared_experts else None
 
     def forward(self, x: torch.Tensor, dp_num_tokens: list[int] | None = None) -> torch.Tensor:
         """`dp_num_tokens`: every data-parallel rank's token count this step, when the

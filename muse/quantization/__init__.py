@@ -1,0 +1,1 @@
+"""Quantized checkpoints: detecting their layout and the quant methods that run them."""
