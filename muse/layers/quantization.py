@@ -43,9 +43,11 @@ from muse.kernels.moe_align import PairReduce
 
 WeightLoader = Callable[..., None]
 
-# A projection's tensors in a checkpoint, quantized or not: the weight, and the scales that
-# quantized layouts add next to it (`weight_scale_inv`: DeepSeek's block FP8, a multiplier).
-QUANTIZED_LEAVES = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
+# A projection's tensors in a checkpoint, quantized or not: the weight (packed FP4 in
+# compressed-tensors' `weight_packed`), and the scales that quantized layouts add next to it
+# (`weight_scale_inv`: DeepSeek's block FP8, a multiplier; the per-tensor scales of NVFP4).
+QUANTIZED_LEAVES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv",
+                    "weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale")
 
 
 def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:

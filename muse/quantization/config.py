@@ -3,14 +3,14 @@
 The layout comes from `config.json`'s `quantization_config` (compressed-tensors, Hugging
 Face's `fp8`, ModelOpt's newer exports) or from ModelOpt's `hf_quant_config.json`. Which
 layers are quantized comes from the checkpoint itself: a layer is quantized when its tensors
-carry a weight scale. That honours every tool's ignore / exclude list (those layers are
+carry the layout's scale. That honours every tool's ignore / exclude list (those layers are
 stored in BF16, without scales) and refuses a fused layer whose parts disagree.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,10 @@ from torch import nn
 
 from muse.checkpoint.layout import CheckpointError
 from muse.layers.fused_moe import PER_EXPERT_PROJECTIONS, FusedMoE
-from muse.layers.quantization import QuantizationConfig, QuantMethod
+from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, QuantizationConfig,
+                                      QuantMethod)
 from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod, Fp8Scheme
+from muse.quantization.nvfp4 import Nvfp4Layout, Nvfp4LinearMethod, Nvfp4MoEMethod
 
 # Engine layers that fuse several checkpoint projections, and those projections.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -36,27 +38,33 @@ def checkpoint_modules(layer: nn.Module, prefix: str) -> list[str]:
     return [f"{owner}.{part}" for part in parts] if parts else [prefix]
 
 
-class Fp8Config(QuantizationConfig):
-    def __init__(self, scheme: Fp8Scheme, scaled_modules: set[str], source: str) -> None:
-        self.scheme = scheme
-        self.scaled_modules = scaled_modules  # modules whose checkpoint tensors have a scale
+class QuantizedCheckpoint(QuantizationConfig):
+    """A checkpoint's quantization: the layers whose checkpoint tensors carry `marker` (a
+    tensor only quantized modules have, e.g. `weight_scale`) run with `linear()` or `moe()`;
+    the others stay unquantized."""
+
+    def __init__(self, linear: Callable[[], LinearMethodBase],
+                 moe: Callable[[], FusedMoEMethodBase], marker: str,
+                 quantized_modules: set[str], source: str) -> None:
+        self.linear, self.moe = linear, moe
+        self.marker = marker
+        self.quantized_modules = quantized_modules
         self.source = source  # the layout's name, for messages
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
         names = checkpoint_modules(layer, prefix)
-        scaled = [name for name in names if name in self.scaled_modules]
-        if not scaled:
+        quantized = [name for name in names if name in self.quantized_modules]
+        if not quantized:
             return None  # stored unquantized (ignored by the tool that wrote it)
-        if len(scaled) != len(names):
-            missing = sorted(set(names) - set(scaled))[:3]
-            raise CheckpointError(f"`{prefix}` fuses checkpoint modules of which some are FP8 "
-                                  f"and some not (no {self.scheme.scale_name} for "
+        if len(quantized) != len(names):
+            missing = sorted(set(names) - set(quantized))[:3]
+            raise CheckpointError(f"`{prefix}` fuses checkpoint modules of which some are "
+                                  f"quantized and some not (no {self.marker} for "
                                   f"{', '.join(missing)}); the engine needs them alike")
-        return Fp8MoEMethod(self.scheme) if isinstance(layer, FusedMoE) \
-            else Fp8LinearMethod(self.scheme)
+        return self.moe() if isinstance(layer, FusedMoE) else self.linear()
 
     def __repr__(self) -> str:
-        return f"Fp8Config({self.source}, {self.scheme}, {len(self.scaled_modules)} modules)"
+        return f"{self.source} ({len(self.quantized_modules)} modules)"
 
 
 def read_quantization_json(directory: Path) -> dict[str, Any] | None:
@@ -72,44 +80,74 @@ def read_quantization_json(directory: Path) -> dict[str, Any] | None:
     return None
 
 
-def _compressed_tensors_scheme(settings: dict[str, Any]) -> tuple[Fp8Scheme, str]:
+# A layout: (linear method factory, MoE method factory, the marker tensor, its name).
+Layout = tuple[Callable[[], LinearMethodBase], Callable[[], FusedMoEMethodBase], str, str]
+
+
+def _fp8(scheme: Fp8Scheme, source: str) -> Layout:
+    return (lambda: Fp8LinearMethod(scheme), lambda: Fp8MoEMethod(scheme), scheme.scale_name,
+            f"{source} FP8 {scheme}")
+
+
+def _nvfp4(layout: Nvfp4Layout, source: str) -> Layout:
+    return (lambda: Nvfp4LinearMethod(layout), lambda: Nvfp4MoEMethod(layout), layout.factor,
+            f"{source} NVFP4" + (" (W4A4 scales kept)" if layout.static_input_scale else ""))
+
+
+def _compressed_tensors_layout(settings: dict[str, Any]) -> Layout:
     layout = settings.get("format")
     schemes = set()
     for name, group in settings.get("config_groups", {}).items():
         weights = group.get("weights") or {}
-        if weights.get("type") != "float" or weights.get("num_bits") != 8:
-            raise CheckpointError(f"compressed-tensors group `{name}` ({layout}) has "
-                                  f"{weights.get('num_bits')}-bit {weights.get('type')} weights;"
-                                  " muse reads FP8 (8-bit float) weights so far")
-        block = weights.get("block_structure")
         activations = group.get("input_activations") or {}
-        schemes.add((weights.get("strategy"), tuple(block) if block else None,
-                     bool(activations) and not activations.get("dynamic", True)))
+        static = bool(activations) and not activations.get("dynamic", True)
+        kind = (weights.get("type"), weights.get("num_bits"))
+        if kind == ("float", 8):
+            block = weights.get("block_structure")
+            schemes.add(("fp8", weights.get("strategy"), tuple(block) if block else None,
+                         static))
+        elif kind == ("float", 4) and weights.get("group_size") == 16 \
+                and weights.get("strategy") == "tensor_group":
+            schemes.add(("nvfp4", None, None, static))
+        else:
+            raise CheckpointError(f"compressed-tensors group `{name}` ({layout}) has "
+                                  f"{weights.get('num_bits')}-bit {weights.get('type')} "
+                                  f"weights ({weights.get('strategy')}); muse reads FP8 and "
+                                  "NVFP4 (4-bit float, groups of 16) weights so far")
     if len(schemes) != 1:
-        raise CheckpointError(f"compressed-tensors config with {len(schemes)} different FP8 "
-                              "weight schemes; muse reads one per checkpoint")
-    strategy, block, static = schemes.pop()
-    return Fp8Scheme(strategy, block, "weight_scale", static), f"compressed-tensors {layout}"
+        raise CheckpointError(f"compressed-tensors config with {len(schemes)} different weight "
+                              "schemes; muse reads one per checkpoint")
+    kind, strategy, block, static = schemes.pop()
+    if kind == "nvfp4":
+        return _nvfp4(Nvfp4Layout("compressed-tensors", static), "compressed-tensors")
+    return _fp8(Fp8Scheme(strategy, block, "weight_scale", static), "compressed-tensors")
 
 
-def scheme_of(settings: dict[str, Any]) -> tuple[Fp8Scheme, str]:
-    """The FP8 scheme a checkpoint's quantization settings describe, and the layout's name."""
+def layout_of(settings: dict[str, Any]) -> Layout:
+    """The quantized layout a checkpoint's quantization settings describe."""
     method = settings.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors_scheme(settings)
+        return _compressed_tensors_layout(settings)
     if method == "fp8":  # Hugging Face's fine-grained FP8 (DeepSeek's block layout)
         block = settings.get("weight_block_size")
         static = settings.get("activation_scheme") == "static"
         if block is None:
-            return Fp8Scheme("tensor", None, "weight_scale", static), "fp8"
-        return Fp8Scheme("block", tuple(block), "weight_scale_inv", static), "fp8 (block)"
+            return _fp8(Fp8Scheme("tensor", None, "weight_scale", static), "fp8")
+        return _fp8(Fp8Scheme("block", tuple(block), "weight_scale_inv", static), "fp8")
     if method == "modelopt":
         algorithm = settings.get("quant_algo")
-        if algorithm != "FP8":
-            raise CheckpointError(f"ModelOpt quant_algo {algorithm!r}: muse reads FP8 so far")
-        return Fp8Scheme("tensor", None, "weight_scale", True), "modelopt FP8"
+        if algorithm == "FP8":
+            return _fp8(Fp8Scheme("tensor", None, "weight_scale", True), "modelopt")
+        if algorithm == "NVFP4":
+            if settings.get("group_size", 16) != 16:
+                raise CheckpointError(f"ModelOpt NVFP4 with group_size "
+                                      f"{settings['group_size']}: NVFP4 blocks are 16 wide")
+            return _nvfp4(Nvfp4Layout("modelopt", True), "modelopt")
+        raise CheckpointError(f"ModelOpt quant_algo {algorithm!r}: muse reads FP8 and NVFP4 "
+                              "so far")
     raise CheckpointError(f"quantization method {method!r} is not supported; muse reads "
-                          "compressed-tensors FP8, Hugging Face fp8 and ModelOpt FP8")
+                          "compressed-tensors (FP8, NVFP4), Hugging Face fp8 and ModelOpt "
+                          "(FP8, NVFP4)")
 
 
 def load_quantization_config(directory: str | Path, tensor_names: Iterable[str]
@@ -119,7 +157,7 @@ def load_quantization_config(directory: str | Path, tensor_names: Iterable[str]
     settings = read_quantization_json(Path(directory))
     if settings is None:
         return None
-    scheme, source = scheme_of(settings)
-    suffix = "." + scheme.scale_name
-    scaled = {name[:-len(suffix)] for name in tensor_names if name.endswith(suffix)}
-    return Fp8Config(scheme, scaled, source)
+    linear, moe, marker, source = layout_of(settings)
+    suffix = "." + marker
+    quantized = {name[:-len(suffix)] for name in tensor_names if name.endswith(suffix)}
+    return QuantizedCheckpoint(linear, moe, marker, quantized, source)

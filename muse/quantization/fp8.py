@@ -24,6 +24,7 @@ from torch import nn
 from muse.kernels.moe_align import PairReduce
 from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, WeightLoader,
                                       new_parameter)
+from muse.quantization.common import expert_param, moe_tags, row_scales
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -67,12 +68,6 @@ def _scale_shape(scheme: Fp8Scheme, out: int, inp: int, parts: int) -> tuple[int
     return (-(-out // scheme.block[0]), -(-inp // scheme.block[1]))
 
 
-def _row_scales(scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Per-part scalars [parts] -> the scale of every output row [out, 1]."""
-    counts = torch.tensor(sizes, device=scale.device)
-    return scale.repeat_interleave(counts)[:, None]
-
-
 class Fp8LinearMethod(LinearMethodBase):
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -95,24 +90,13 @@ class Fp8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = getattr(layer, self.scheme.scale_name)
         if self.scheme.strategy == "tensor":
-            scale = _row_scales(scale.data, layer.output_partition_sizes)
+            scale = row_scales(scale.data, layer.output_partition_sizes)
         layer.register_buffer("dequant_scale", scale.data, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = dequantize(layer.weight, layer.dequant_scale, self.scheme)
         return F.linear(x, weight.to(x.dtype), bias)
-
-
-def _moe_scale_tags(strategy: str, projection: str) -> dict:
-    """How `FusedMoE.weight_loader` splits an expert scale: per-tensor scales hold one entry
-    per part; per-channel ones follow the output rows, which TP splits for gate/up and not
-    for down (its rows are the hidden width); block scales follow both dimensions."""
-    if strategy == "tensor":
-        return {"moe_projection": projection, "per_shard": True}
-    if strategy == "channel":
-        return {"moe_projection": projection, "output_dim": 1}
-    return {"moe_projection": projection, "output_dim": 1, "input_dim": 2}
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -131,20 +115,25 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         for projection, (out, inp, parts) in shapes.items():
             name = f"{projection}_proj"
             new_parameter(layer, name, (num_experts, out, inp), torch.float8_e4m3fn,
-                          weight_loader, output_dim=1, input_dim=2, moe_projection=projection)
+                          weight_loader, **moe_tags(projection, rows=True, columns=True))
             shape = (num_experts, *_scale_shape(scheme, out, inp, parts))
-            new_parameter(layer, f"{name}_{scheme.scale_name}", shape, torch.float32,
-                          weight_loader, **_moe_scale_tags(scheme.strategy, projection))
+            # Per channel: one scale per output row; per block: the blocks' grid.
+            tags = moe_tags(projection, per_part=scheme.strategy == "tensor", rows=True,
+                            columns=scheme.strategy == "block")
+            new_parameter(layer, expert_param(projection, scheme.scale_name), shape,
+                          torch.float32, weight_loader, **tags)
             if scheme.static_input_scale:
-                new_parameter(layer, f"{name}_input_scale", (num_experts, parts), torch.float32,
-                              weight_loader, moe_projection=projection, per_shard=True)
+                new_parameter(layer, expert_param(projection, "input_scale"),
+                              (num_experts, parts), torch.float32, weight_loader,
+                              **moe_tags(projection, per_part=True))
 
     def _weights(self, layer: nn.Module, projection: str, dtype: torch.dtype) -> torch.Tensor:
-        weight = getattr(layer, f"{projection}_proj")
-        scale = getattr(layer, f"{projection}_proj_{self.scheme.scale_name}")
+        weight = getattr(layer, expert_param(projection, "weight"))
+        scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
         if self.scheme.strategy == "tensor":
             # One scalar per part and expert: rows of the gate half, then of the up half.
-            scale = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)[..., None]
+            parts = scale.shape[1]
+            scale = row_scales(scale, [weight.shape[1] // parts] * parts)
         return dequantize(weight, scale, self.scheme).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,

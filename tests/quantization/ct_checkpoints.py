@@ -25,7 +25,7 @@ from compressed_tensors.offload import update_offload_parameter  # noqa: E402
 from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,  # noqa: E402
                                              QuantizationScheme, QuantizationStatus,
                                              apply_quantization_config)
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 FP8 = dict(num_bits=8, type="float", symmetric=True)
@@ -39,7 +39,14 @@ SCHEMES = {
     # 128 x 128 blocks (the "FP8_BLOCK" preset's weights), weight-only
     "block": dict(weights=QuantizationArgs(**FP8, strategy="block",
                                            block_structure=[128, 128])),
+    # NVFP4 weights, activations unquantized (the "NVFP4A16" preset)
+    "nvfp4": dict(weights=QuantizationArgs(num_bits=4, type="float", symmetric=True,
+                                           strategy="tensor_group", group_size=16,
+                                           scale_dtype=torch.float8_e4m3fn,
+                                           zp_dtype=torch.float8_e4m3fn)),
 }
+# FP4 E2M1 magnitudes by the 3 low bits of a nibble; bit 3 is the sign.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 # The router, the LM head and every MLP projection of layer 1 stay unquantized.
 IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:model\.layers\.1\.mlp\..*"]
 
@@ -95,6 +102,9 @@ class _UnfusedExperts(nn.ModuleList):
 
 def _weight_statistics(weight: torch.Tensor, args: QuantizationArgs
                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    if args.strategy == "tensor_group":
+        groups = weight.unflatten(-1, (-1, args.group_size))
+        return groups.amin(-1), groups.amax(-1)
     if args.strategy == "tensor":
         return weight.amin(), weight.amax()
     if args.strategy == "channel":
@@ -128,7 +138,7 @@ def _calibrate_inputs(model: nn.Module, modules: list[nn.Module], ids: torch.Ten
 
 
 @torch.no_grad()
-def write_fp8_checkpoint(source: Qwen3MoeForCausalLM, scheme: str, directory: Path,
+def write_quantized_checkpoint(source: Qwen3MoeForCausalLM, scheme: str, directory: Path,
                          calibration_ids: torch.Tensor) -> Path:
     """Quantize a copy of `source` with compressed-tensors (`SCHEMES[scheme]`, `IGNORE`) and
     save it to `directory` as compressed-tensors saves it."""
@@ -143,31 +153,51 @@ def write_fp8_checkpoint(source: Qwen3MoeForCausalLM, scheme: str, directory: Pa
     modules = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
     for module in modules:
         args = module.quantization_scheme.weights
-        low, high = _weight_statistics(module.weight.float(), args)
-        scale, _ = calculate_qparams(low, high, args)
+        weight = module.weight.float()
+        global_scale = None
+        if args.strategy == "tensor_group":
+            global_scale = generate_gparam(weight.amin(), weight.amax())
+            update_offload_parameter(module, "weight_global_scale", global_scale)
+        low, high = _weight_statistics(weight, args)
+        scale, _ = calculate_qparams(low, high, args, global_scale=global_scale)
         update_offload_parameter(module, "weight_scale", scale.to(module.weight_scale.dtype))
     inputs = settings.get("input_activations")
     if inputs is not None and not inputs.dynamic:
         _calibrate_inputs(model, modules, calibration_ids)
     for module in modules:
         module.quantization_status = QuantizationStatus.FROZEN
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    layout = "nvfp4-pack-quantized" if scheme == "nvfp4" else "float-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=layout)
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(directory)
     return directory
 
 
+def _dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
+                      global_scale: torch.Tensor) -> torch.Tensor:
+    """fp4 * block_scale / global_scale, from the layout as compressed-tensors documents it."""
+    table = torch.tensor(E2M1 + [-v for v in E2M1])
+    values = torch.stack([table[(packed & 0xF).long()], table[(packed >> 4).long()]], dim=-1)
+    values = values.flatten(-2)
+    return values * block_scale.float().repeat_interleave(16, -1) / global_scale.float()
+
+
 def dequantized_copy(source: Path, directory: Path) -> Path:
-    """The checkpoint with every FP8 weight replaced by fp8 * scale in float32 (block scales
-    expanded over their blocks) and no quantization: the reference a quantized load must
-    match."""
+    """The checkpoint with every FP8 or NVFP4 weight replaced by its dequantized float32
+    values (block scales expanded over their blocks) and no quantization: the reference a
+    quantized load must match."""
     tensors = {}
     for file in source.glob("*.safetensors"):
         tensors.update(load_file(file))
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith((".weight_scale", ".input_scale")):
+        if name.endswith((".weight_scale", ".input_scale", ".weight_global_scale")):
+            continue
+        if name.endswith(".weight_packed"):
+            name = name[:-len("_packed")]
+            out[name] = _dequantize_nvfp4(tensor, tensors[name + "_scale"],
+                                          tensors[name + "_global_scale"])
             continue
         if tensor.dtype == torch.float8_e4m3fn:
             scale = tensors[name + "_scale"].float()

@@ -1,14 +1,14 @@
-"""FP8 checkpoints as users' tools write them load into the engine and run as their
-dequantized weights would: compressed-tensors (per tensor with static activation scales, per
-channel, 128 x 128 blocks; made by compressed-tensors itself), Hugging Face's block `fp8`
-(`weight_scale_inv`) and ModelOpt FP8 (`hf_quant_config.json`). Modules the tool left out
-(router, LM head, a whole layer's MLP) stay unquantized.
+"""Quantized checkpoints as users' tools write them load into the engine and run as their
+dequantized weights would: compressed-tensors FP8 (per tensor with static activation scales,
+per channel, 128 x 128 blocks) and NVFP4 (W4A16), made by compressed-tensors itself; Hugging
+Face's block `fp8` (`weight_scale_inv`); ModelOpt FP8 and NVFP4 (`hf_quant_config.json`).
+Modules the tool left out (router, LM head, a whole layer's MLP) stay unquantized.
 
 Bounds: greedy tokens equal the dequantized reference's exactly, logprobs within the engine's
 batching tolerance (`assert_same_outputs`): the engine multiplies by exactly the dequantized
-weights. Against the original float32 model the FP8 rounding itself moves the top-20
-next-token logprobs by at most 0.25 (measured 0.12 per tensor, 0.12 per channel, 0.14 per
-block on this random model).
+weights. Against the original float32 model the rounding itself moves the top-20 next-token
+logprobs by at most 0.25 with FP8 (measured 0.12 per tensor, 0.12 per channel, 0.14 per
+block on this random model) and at most 1.25 with NVFP4 (measured 0.83).
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from muse import LLM, SamplingParams
 from muse.checkpoint.layout import CheckpointError
 from muse.layers.quantization import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+from muse.quantization.nvfp4 import Nvfp4LinearMethod, Nvfp4MoEMethod
 from tests.engine.helpers import assert_same_outputs
 from tests.quantization.ct_checkpoints import (dequantized_copy, tiny_qwen3_moe,
-                                               write_fp8_checkpoint)
+                                               write_quantized_checkpoint)
 
 PROMPTS = [[5, 17, 99, 230, 41, 7, 300], [12, 12, 480, 3, 77], list(range(40, 70))]
+NVFP4_BOUND = 1.25  # measured 0.83: 16-value blocks of 4-bit floats on random weights
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
                         prompt_logprobs=2)
 
@@ -44,8 +46,8 @@ def checkpoints(source, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     ids = torch.tensor([PROMPTS[2]])
     made = {}
-    for scheme in ("tensor", "channel", "block"):
-        quantized = write_fp8_checkpoint(source, scheme, root / scheme, ids)
+    for scheme in ("tensor", "channel", "block", "nvfp4"):
+        quantized = write_quantized_checkpoint(source, scheme, root / scheme, ids)
         made[scheme] = (quantized, dequantized_copy(quantized, root / f"{scheme}-dequantized"))
     return made
 
@@ -83,17 +85,56 @@ def test_compressed_tensors_fp8_runs_as_its_dequantized_weights(checkpoints, sch
     assert_same_outputs(llm.generate(PROMPTS, PARAMS), engine(reference).generate(PROMPTS, PARAMS))
 
 
-def test_fp8_rounding_stays_close_to_the_original_model(source, checkpoints):
+def rounding_error(source, quantized: Path) -> float:
+    """The largest change of a top-20 next-token logprob against the original model."""
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
-        want = source(ids).logits[0, -1]
-    for scheme, (quantized, _) in checkpoints.items():
-        got = engine(quantized).generate([PROMPTS[2]], SamplingParams(
-            max_tokens=1, logprobs=20, temperature=0.0))[0].outputs[0].logprobs[0]
-        # The engine's top logprobs against the original model's log-softmax.
-        reference = want.log_softmax(-1)
-        error = max(abs(logprob - reference[token].item()) for token, logprob in got.top)
-        assert error < 0.25, (scheme, error)
+        want = source(ids).logits[0, -1].log_softmax(-1)
+    got = engine(quantized).generate([PROMPTS[2]], SamplingParams(
+        max_tokens=1, logprobs=20, temperature=0.0))[0].outputs[0].logprobs[0]
+    return max(abs(logprob - want[token].item()) for token, logprob in got.top)
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_fp8_rounding_stays_close_to_the_original_model(source, checkpoints, scheme):
+    assert rounding_error(source, checkpoints[scheme][0]) < 0.25
+
+
+def test_nvfp4_rounding_stays_close_to_the_original_model(source, checkpoints):
+    assert rounding_error(source, checkpoints["nvfp4"][0]) < NVFP4_BOUND
+
+
+def test_compressed_tensors_nvfp4_runs_as_its_dequantized_weights(checkpoints):
+    quantized, reference = checkpoints["nvfp4"]
+    settings = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    assert settings["format"] == "nvfp4-pack-quantized"
+    llm = engine(quantized)
+    found = methods(llm)
+    assert (found["qkv"], found["experts"], found["ignored_experts"], found["router"]) == \
+        (Nvfp4LinearMethod, Nvfp4MoEMethod, UnquantizedFusedMoEMethod, UnquantizedLinearMethod)
+    layer = llm.engine.model.model.layers["0"]
+    assert layer.self_attn.qkv_proj.weight_packed.dtype == torch.uint8
+    assert layer.mlp.experts.gate_up_proj_weight_packed.dtype == torch.uint8
+    assert_same_outputs(llm.generate(PROMPTS, PARAMS), engine(reference).generate(PROMPTS, PARAMS))
+
+
+def test_modelopt_nvfp4_reads_weight_scale_2(checkpoints, tmp_path):
+    quantized, reference = checkpoints["nvfp4"]
+    converted = _rewrite(quantized, tmp_path / "modelopt-nvfp4",
+                         rename={"weight_packed": "weight"}, settings=None)
+    tensors = load_file(converted / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_global_scale")]:
+        module = name[:-len(".weight_global_scale")]
+        # ModelOpt stores the per-tensor factor as a multiplier, and activation scales.
+        tensors[module + ".weight_scale_2"] = 1.0 / tensors.pop(name)
+        tensors[module + ".input_scale"] = torch.ones(())
+    save_file(tensors, converted / "model.safetensors")
+    (converted / "hf_quant_config.json").write_text(json.dumps({
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                         "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.1.mlp*"]}}))
+    llm = engine(converted)
+    assert methods(llm)["experts"] is Nvfp4MoEMethod
+    assert_same_outputs(llm.generate(PROMPTS, PARAMS), engine(reference).generate(PROMPTS, PARAMS))
 
 
 def test_hugging_face_block_fp8_reads_weight_scale_inv(checkpoints, tmp_path):
@@ -160,9 +201,9 @@ def _rewrite(source: Path, directory: Path, rename: dict[str, str], settings) ->
                                     {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
                          ids=["tp2", "ep2"])
 def test_fp8_weights_and_scales_shard_over_ranks(checkpoints, layout):
-    """Each rank reads its slice of the FP8 weights and of their per-channel scales (and its
-    experts' per-tensor scales): the same output as one rank."""
-    for scheme in ("channel", "tensor"):
+    """Each rank reads its slice of the quantized weights and of their scales (per channel,
+    per tensor, NVFP4's packed values and block scales): the same output as one rank."""
+    for scheme in ("channel", "tensor", "nvfp4"):
         quantized, _ = checkpoints[scheme]
         want = engine(quantized).generate(PROMPTS, PARAMS)
         sharded = engine(quantized, **layout)
