@@ -431,7 +431,9 @@ def test_sampled_selector_q_is_the_k_way_softmax_of_the_pair_scores(target) -> N
         out = forced(drafter, hidden, ids, anchor, proposal.tokens[r])
         candidates = out.logits[0].topk(top_k, dim=-1).indices
         inside = torch.zeros(7, VOCAB, dtype=torch.bool).scatter(-1, candidates, True)
-        assert not proposal.probs[r][~inside].any() and (proposal.probs[r][inside] > 0).all()
+        # No mass outside the top-k; inside, the softmax (whose smallest entries may
+        # underflow to 0 in float32 when the pair scores are far apart).
+        assert not proposal.probs[r][~inside].any()
         expected = (out.selector_scores[0] / temperatures[r]).softmax(-1)
         torch.testing.assert_close(proposal.probs[r].gather(-1, candidates), expected)
 
