@@ -241,8 +241,12 @@ def serve(args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=5,
                             http=protocol_with_header_timeout(args.header_read_timeout))
     server = uvicorn.Server(config)
+    # The port is bound before the app starts its engine: otherwise the engine's own
+    # rendezvous port (a free one from the OS, with several ranks) could be this port
+    # whenever it lies in the ephemeral range.
+    sock = config.bind_socket()
     logger.info("serving %s at http://%s:%d/v1", args.model, args.host, args.port)
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app did not start (its log says why)
     if death:
