@@ -1,9 +1,45 @@
-"""What the quant methods share: per-part scalars made per-row scales, and how an expert
-tensor of a fused MoE is named and split."""
+"""What the quant methods share: the weight-only GEMMs, per-part scalars made per-row scales,
+and how an expert tensor of a fused MoE is named and split."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from muse.kernels.moe_align import PairReduce
+from muse.layers.quantization import FusedMoEMethodBase, LinearMethodBase
+
+
+class WeightOnlyLinearMethod(LinearMethodBase):
+    """Activations stay in the model's dtype: the weight is dequantized to it and multiplied,
+    the numerics of the dequantized model."""
+
+    @abstractmethod
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight [out, in] in float32."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantized(layer).to(x.dtype), bias)
+
+
+class WeightOnlyMoEMethod(FusedMoEMethodBase):
+    """The experts' weights dequantized to the activations' dtype, then the MoE backend's
+    experts kernel, as for unquantized experts."""
+
+    @abstractmethod
+    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
+        """`gate_up` [E, 2I, L] or `down` [E, L, I] in float32."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
+        return layer.experts_kernel(x, topk_weights, topk_ids,
+                                    self.dequantized(layer, "gate_up").to(x.dtype),
+                                    self.dequantized(layer, "down").to(x.dtype),
+                                    layer.norm_weight, layer.eps, reduce_pairs=reduce_pairs)
 
 
 def row_scales(scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:

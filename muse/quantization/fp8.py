@@ -18,13 +18,11 @@ multiplies, the exact numerics of the dequantized-BF16 reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from muse.kernels.moe_align import PairReduce
-from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, WeightLoader,
-                                      new_parameter)
-from muse.quantization.common import expert_param, moe_tags, row_scales
+from muse.layers.quantization import WeightLoader, new_parameter
+from muse.quantization.common import (WeightOnlyLinearMethod, WeightOnlyMoEMethod, expert_param,
+                                      moe_tags, row_scales)
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -68,7 +66,7 @@ def _scale_shape(scheme: Fp8Scheme, out: int, inp: int, parts: int) -> tuple[int
     return (-(-out // scheme.block[0]), -(-inp // scheme.block[1]))
 
 
-class Fp8LinearMethod(LinearMethodBase):
+class Fp8LinearMethod(WeightOnlyLinearMethod):
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
 
@@ -76,7 +74,6 @@ class Fp8LinearMethod(LinearMethodBase):
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
         scheme, out = self.scheme, sum(output_partition_sizes)
-        layer.params_dtype = params_dtype
         new_parameter(layer, "weight", (out, input_size_per_partition), torch.float8_e4m3fn,
                       weight_loader, output_dim=0, input_dim=1)
         shape = _scale_shape(scheme, out, input_size_per_partition, len(output_partition_sizes))
@@ -93,13 +90,11 @@ class Fp8LinearMethod(LinearMethodBase):
             scale = row_scales(scale.data, layer.output_partition_sizes)
         layer.register_buffer("dequant_scale", scale.data, persistent=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = dequantize(layer.weight, layer.dequant_scale, self.scheme)
-        return F.linear(x, weight.to(x.dtype), bias)
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize(layer.weight, layer.dequant_scale, self.scheme)
 
 
-class Fp8MoEMethod(FusedMoEMethodBase):
+class Fp8MoEMethod(WeightOnlyMoEMethod):
     """The experts' gate/up and down projections in FP8, with the per-expert scales of the
     checkpoint's `experts.{e}.{gate,up,down}_proj.weight_scale` (per-tensor: one per part)."""
 
@@ -110,7 +105,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
         scheme, inter = self.scheme, intermediate_size_per_partition
-        layer.params_dtype = params_dtype
         shapes = {"gate_up": (2 * inter, hidden_size, 2), "down": (hidden_size, inter, 1)}
         for projection, (out, inp, parts) in shapes.items():
             name = f"{projection}_proj"
@@ -127,19 +121,11 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                               (num_experts, parts), torch.float32, weight_loader,
                               **moe_tags(projection, per_part=True))
 
-    def _weights(self, layer: nn.Module, projection: str, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
         weight = getattr(layer, expert_param(projection, "weight"))
         scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
         if self.scheme.strategy == "tensor":
             # One scalar per part and expert: rows of the gate half, then of the up half.
             parts = scale.shape[1]
             scale = row_scales(scale, [weight.shape[1] // parts] * parts)
-        return dequantize(weight, scale, self.scheme).to(dtype)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
-        return layer.experts_kernel(x, topk_weights, topk_ids,
-                                    self._weights(layer, "gate_up", x.dtype),
-                                    self._weights(layer, "down", x.dtype), layer.norm_weight,
-                                    layer.eps, reduce_pairs=reduce_pairs)
-
+        return dequantize(weight, scale, self.scheme)

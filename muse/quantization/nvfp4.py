@@ -19,13 +19,11 @@ are loaded and kept.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from muse.kernels.moe_align import PairReduce
-from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, WeightLoader,
-                                      new_parameter)
-from muse.quantization.common import expert_param, moe_tags, row_scales
+from muse.layers.quantization import WeightLoader, new_parameter
+from muse.quantization.common import (WeightOnlyLinearMethod, WeightOnlyMoEMethod, expert_param,
+                                      moe_tags, row_scales)
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -75,7 +73,7 @@ def _check_blocks(width: int, what: str) -> None:
         raise ValueError(f"{what}: NVFP4 needs input widths divisible by {BLOCK}, got {width}")
 
 
-class Nvfp4LinearMethod(LinearMethodBase):
+class Nvfp4LinearMethod(WeightOnlyLinearMethod):
     def __init__(self, layout: Nvfp4Layout) -> None:
         self.layout = layout
 
@@ -100,14 +98,12 @@ class Nvfp4LinearMethod(LinearMethodBase):
         layer.register_buffer("row_factor", row_scales(factor, layer.output_partition_sizes),
                               persistent=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = dequantize_nvfp4(getattr(layer, self.layout.weight), layer.weight_scale,
-                                  layer.row_factor)
-        return F.linear(x, weight.to(x.dtype), bias)
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize_nvfp4(getattr(layer, self.layout.weight), layer.weight_scale,
+                                layer.row_factor)
 
 
-class Nvfp4MoEMethod(FusedMoEMethodBase):
+class Nvfp4MoEMethod(WeightOnlyMoEMethod):
     """The experts' projections in NVFP4, from `experts.{e}.{gate,up,down}_proj.*`."""
 
     def __init__(self, layout: Nvfp4Layout) -> None:
@@ -132,18 +128,11 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
                               torch.float32, weight_loader, **moe_tags(projection,
                                                                       per_part=True))
 
-    def _weights(self, layer: nn.Module, projection: str, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
         layout = self.layout
         packed = getattr(layer, expert_param(projection, layout.weight))
         factor = layout.multiplier(getattr(layer, expert_param(projection, layout.factor)))
         parts = factor.shape[1]
         rows = row_scales(factor, [packed.shape[1] // parts] * parts)
         return dequantize_nvfp4(packed, getattr(layer, expert_param(projection, "weight_scale")),
-                                rows).to(dtype)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
-        return layer.experts_kernel(x, topk_weights, topk_ids,
-                                    self._weights(layer, "gate_up", x.dtype),
-                                    self._weights(layer, "down", x.dtype), layer.norm_weight,
-                                    layer.eps, reduce_pairs=reduce_pairs)
+                                rows)

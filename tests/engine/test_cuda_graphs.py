@@ -46,6 +46,16 @@ def test_graph_replays_match_eager_steps():
     assert_greedy_is_well_defined(llm, prompts, [o.outputs[0].token_ids for o in outputs[True]])
 
 
+def eager_step(engine, scheduled):
+    """(runner, KV caches, host batch, eager hidden states) of a scheduled step."""
+    runner = engine.runner
+    kv_caches = runner.executor.worker.kv_caches
+    batch = runner._host_batch(scheduled)
+    input_ids, meta = batch.to_device(engine.device, runner.block_size)
+    with torch.inference_mode():
+        return runner, kv_caches, batch, engine.model(input_ids, meta, kv_caches)
+
+
 def test_padded_graph_inputs_give_the_eager_hidden_states():
     """What a replay computes, checked on any device: the bucket-padded static inputs, run
     eagerly, give the real rows the hidden states of the unpadded step (up to float rounding:
@@ -61,12 +71,7 @@ def test_padded_graph_inputs_give_the_eager_hidden_states():
         engine.step()
     scheduled = engine.scheduler.schedule().scheduled
     assert all(item.num_new_tokens == 1 for item in scheduled) and len(scheduled) == 3
-    runner = engine.runner
-    kv_caches = runner.executor.worker.kv_caches
-    batch = runner._host_batch(scheduled)
-    input_ids, meta = batch.to_device(engine.device, runner.block_size)
-    with torch.inference_mode():
-        eager = engine.model(input_ids, meta, kv_caches)
+    runner, kv_caches, batch, eager = eager_step(engine, scheduled)
 
     widths = {kind: 40 for kind in engine.kv_cache.pools}  # wider than needed, as captured
     graphs = DecodeGraphs(engine.model, kv_caches, widths, 8, runner.block_size,
@@ -98,12 +103,7 @@ def test_padded_verify_graph_inputs_give_the_eager_hidden_states():
         request.spec_token_ids = drafts
     scheduled = engine.scheduler.schedule().scheduled
     assert [item.num_new_tokens for item in scheduled] == [4, 1, 2]
-    runner = engine.runner
-    kv_caches = runner.executor.worker.kv_caches
-    batch = runner._host_batch(scheduled)
-    input_ids, meta = batch.to_device(engine.device, runner.block_size)
-    with torch.inference_mode():
-        eager = engine.model(input_ids, meta, kv_caches)
+    runner, kv_caches, batch, eager = eager_step(engine, scheduled)
 
     widths = {kind: 40 for kind in engine.kv_cache.pools}
     graphs = DecodeGraphs(engine.model, kv_caches, widths, 8, runner.block_size,

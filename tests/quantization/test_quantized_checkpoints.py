@@ -129,9 +129,7 @@ def test_modelopt_nvfp4_reads_weight_scale_2(checkpoints, tmp_path):
         tensors[module + ".weight_scale_2"] = 1.0 / tensors.pop(name)
         tensors[module + ".input_scale"] = torch.ones(())
     save_file(tensors, converted / "model.safetensors")
-    (converted / "hf_quant_config.json").write_text(json.dumps({
-        "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                         "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.1.mlp*"]}}))
+    write_modelopt_config(converted, {"quant_algo": "NVFP4", "group_size": 16})
     llm = engine(converted)
     assert methods(llm)["experts"] is Nvfp4MoEMethod
     assert_same_outputs(llm.generate(PROMPTS, PARAMS), engine(reference).generate(PROMPTS, PARAMS))
@@ -149,10 +147,7 @@ def test_hugging_face_block_fp8_reads_weight_scale_inv(checkpoints, tmp_path):
 def test_modelopt_fp8_from_hf_quant_config(checkpoints, tmp_path):
     quantized, reference = checkpoints["tensor"]
     converted = _rewrite(quantized, tmp_path / "modelopt", rename={}, settings=None)
-    (converted / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt"},
-        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
-                         "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.1.mlp*"]}}))
+    write_modelopt_config(converted, {"quant_algo": "FP8", "kv_cache_quant_algo": None})
     llm = engine(converted)
     assert methods(llm)["experts"] is Fp8MoEMethod
     assert_same_outputs(llm.generate(PROMPTS, PARAMS), engine(reference).generate(PROMPTS, PARAMS))
@@ -174,6 +169,14 @@ def test_unsupported_quantization_is_named(checkpoints, tmp_path):
     odd = _rewrite(quantized, tmp_path / "odd", rename={}, settings={"quant_method": "awq"})
     with pytest.raises(CheckpointError, match="awq"):
         engine(odd)
+
+
+def write_modelopt_config(directory: Path, quantization: dict) -> None:
+    """ModelOpt's `hf_quant_config.json`, excluding what the test checkpoints leave out."""
+    (directory / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt"},
+        "quantization": quantization | {
+            "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.1.mlp*"]}}))
 
 
 def _rewrite(source: Path, directory: Path, rename: dict[str, str], settings) -> Path:
