@@ -151,6 +151,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     run_from_args(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from muse.quantization.quantize import quantize_checkpoint
+
+    settings = quantize_checkpoint(args.source, args.destination, args.format, args.ignore)
+    print(f"wrote {args.destination} ({settings['format']}; "
+          f"{len(settings['ignore'])} projections left unquantized)")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from muse.bench.serve import run_from_args
 
@@ -299,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a checkpoint folder or a preset (random weights)")
     add_eval_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
+
+    quantize = sub.add_parser(
+        "quantize", help="write a quantized copy of a checkpoint (compressed-tensors layout); "
+                         "see docs/formats.md", formatter_class=DefaultsHelpFormatter)
+    quantize.add_argument("source", help="the checkpoint folder to quantize")
+    quantize.add_argument("destination", help="the folder to write")
+    quantize.add_argument("--format", required=True, choices=["fp8", "nvfp4-w4a16"],
+                          help="fp8: FP8 E4M3 weights per output channel; nvfp4-w4a16: NVFP4 "
+                               "weights (blocks of 16, FP8 block scales, a global scale)")
+    quantize.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                          help="leave matching projections unquantized: a module name, a "
+                               "glob, or re:REGEX (repeat for several; routers always stay)")
+    quantize.set_defaults(func=cmd_quantize)
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments
 

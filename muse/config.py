@@ -248,6 +248,8 @@ class MuseSparkConfig:
         _require(model_type == MODEL_TYPE, "model_type", f"{MODEL_TYPE!r}", model_type)
         data.pop("architectures", None)
         data.pop("transformers_version", None)
+        # A quantized checkpoint's settings: read by `muse.quantization.config` from the file.
+        data.pop("quantization_config", None)
         text = _build(TextConfig, data.pop("text_config", {}) or {}, "text_config")
         vision = data.pop("vision_config", None)
         audio = data.pop("audio_config", None)

@@ -55,6 +55,10 @@ class CheckpointReader:
         """Shape from the shard header, without reading the tensor."""
         return tuple(self.get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype:
+        """Element type from the shard header, without reading the tensor."""
+        return SAFETENSORS_DTYPES[self.get_slice(name).get_dtype()]
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor, backed by the mapped shard (clone it to own aligned memory)."""
         return self._read(name, "get_tensor")
@@ -99,6 +103,14 @@ class CheckpointReader:
                 raise CheckpointError(f"cannot open shard {self.directory / file}: "
                                       f"{error}") from None
         return self._handles[file]
+
+
+# The element types safetensors headers name, as torch dtypes.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 
 
 def _read_index(path: Path) -> dict[str, str]:
