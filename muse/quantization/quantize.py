@@ -162,7 +162,6 @@ def _plan(reader: CheckpointReader, patterns: Sequence[str]) -> tuple[list[_Outp
             outputs.append(_Output(name.removesuffix(".weight"), name, shape, dtype))
         else:
             outputs.append(_Output(name, name, shape, dtype))
-            continue
     for output in outputs:
         is_projection = output.expert is not None or output.name != output.source
         if is_projection:
