@@ -20,12 +20,13 @@ from muse.checkpoint.layout import CheckpointError
 from muse.layers.fused_moe import PER_EXPERT_PROJECTIONS, FusedMoE
 from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, QuantizationConfig,
                                       QuantMethod)
+from muse.model.loader import FUSED_PARTS
 from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod, Fp8Scheme
 from muse.quantization.nvfp4 import Nvfp4Layout, Nvfp4LinearMethod, Nvfp4MoEMethod
 
 # Engine layers that fuse several checkpoint projections, and those projections.
-FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                     "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PROJECTIONS = {fused: [part for part, (owner, _) in FUSED_PARTS.items() if owner == fused]
+                     for fused, _ in FUSED_PARTS.values()}
 
 
 def checkpoint_modules(layer: nn.Module, prefix: str) -> list[str]:

@@ -11,7 +11,7 @@ from muse.config import FULL
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.speculative.draft_graphs import DraftGraphs
 from muse.speculative.draft_kv import DraftKV, draft_block_bytes
-from tests.speculative.test_drafter import ALL_V2, DSPARK, make_drafter, sequence, target  # noqa: F401
+from tests.speculative.test_drafter import ALL_V2, DSPARK, make_drafter, sequence
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
@@ -40,7 +40,7 @@ def write_sequences(kv: DraftKV, drafter, rows: list[torch.Tensor]) -> list[list
 
 @pytest.mark.parametrize("variant", [dict(), ALL_V2, DSPARK], ids=["dflash", "v2", "dspark"])
 @pytest.mark.parametrize("temperature", [None, 0.0, 0.8])
-def test_paged_drafts_equal_the_per_request_cache_drafts(target, variant, temperature):  # noqa: F811
+def test_paged_drafts_equal_the_per_request_cache_drafts(target, variant, temperature):
     drafter = make_drafter(target, **variant)
     ids, hidden, _ = sequence(target, drafter.config, seed=2)
     anchors = [9, 17]  # two requests: prefixes of 9 and 17 committed tokens, then the anchor
@@ -68,7 +68,7 @@ def test_paged_drafts_equal_the_per_request_cache_drafts(target, variant, temper
         torch.testing.assert_close(paged.confidence, own.confidence, atol=1e-5, rtol=1e-5)
 
 
-def test_draft_graph_inputs_pad_the_batch_and_give_the_same_drafts(target):  # noqa: F811
+def test_draft_graph_inputs_pad_the_batch_and_give_the_same_drafts(target):
     """What a replay computes, checked on any device: the bucket-padded static inputs, run
     eagerly, give the real requests the drafts of the unpadded call."""
     drafter = make_drafter(target, **DSPARK)
@@ -89,7 +89,7 @@ def test_draft_graph_inputs_pad_the_batch_and_give_the_same_drafts(target):  # n
     torch.testing.assert_close(padded.confidence[:3], want.confidence, atol=1e-5, rtol=1e-5)
 
 
-def test_a_draft_block_holds_every_layers_keys_and_values(target):  # noqa: F811
+def test_a_draft_block_holds_every_layers_keys_and_values(target):
     config = make_drafter(target).config
     per_row = 2 * config.num_key_value_heads * config.head_dim * 2
     assert draft_block_bytes(config, 16, torch.bfloat16) == \

@@ -31,13 +31,6 @@ ALL_V2 = dict(dynamic_conv=True, conv_group_size=8, candidate_selector=True, sel
 DSPARK = dict(method="dspark", markov_rank=8, markov_gated=True, confidence_head=True)
 
 
-@pytest.fixture(scope="module")
-def target() -> MuseForCausalLM:
-    model = MuseForCausalLM(TARGET)
-    model.init_weights(seed=0, std=0.2)
-    return model.requires_grad_(False)
-
-
 def make_config(**overrides) -> DrafterConfig:
     values = dict(mask_token_id=MASK, num_target_features=2, num_hidden_layers=2,
                   dtype="float32")
