@@ -22,10 +22,14 @@ from safetensors.torch import load_file, save_file
 
 from muse import LLM, SamplingParams
 from muse.checkpoint.layout import CheckpointError
-from muse.layers.quantization import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+from muse.layers.linear import QKVParallelLinear, RowParallelLinear
+from muse.layers.quantization import (UnquantizedFusedMoEMethod, UnquantizedLinearMethod,
+                                      process_weights_after_loading)
+from muse.quantization.config import load_quantization_config
 from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
 from muse.quantization.nvfp4 import Nvfp4LinearMethod, Nvfp4MoEMethod
 from tests.engine.helpers import assert_same_outputs
+from tests.layers.common import as_tp_rank
 from tests.quantization.ct_checkpoints import (dequantized_copy, tiny_qwen3_moe,
                                                write_quantized_checkpoint)
 
@@ -200,17 +204,61 @@ def _rewrite(source: Path, directory: Path, rename: dict[str, str], settings) ->
     return directory
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
-                                    {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
-                         ids=["tp2", "ep2"])
-def test_fp8_weights_and_scales_shard_over_ranks(checkpoints, layout):
-    """Each rank reads its slice of the quantized weights and of their scales (per channel,
-    per tensor, NVFP4's packed values and block scales): the same output as one rank."""
-    for scheme in ("channel", "tensor", "nvfp4"):
-        quantized, _ = checkpoints[scheme]
-        want = engine(quantized).generate(PROMPTS, PARAMS)
-        sharded = engine(quantized, **layout)
-        try:
-            assert_same_outputs(sharded.generate(PROMPTS, PARAMS), want)
-        finally:
-            sharded.shutdown()
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "nvfp4"])
+def test_each_tensor_parallel_rank_loads_its_slice(checkpoints, scheme, monkeypatch):
+    """Layer 0's attention over TP = 2, each rank's layers built alone (no other processes):
+    every rank loads its slice of the FP8 or packed weights and of their scales (per-part
+    scalars, per-channel rows, FP4 blocks) and computes its share of what the dequantized
+    projections give."""
+    quantized, reference = checkpoints[scheme]
+    stored, plain = load_file(quantized / "model.safetensors"), load_file(
+        reference / "model.safetensors")
+    config = load_quantization_config(quantized, stored)
+    prefix = "model.layers.0.self_attn"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    full = {part: torch.nn.functional.linear(x, plain[f"{prefix}.{part}_proj.weight"])
+            for part in "qkv"}
+    widths = {"q": 128, "k": 64, "v": 64}  # per rank: 2 of 4 query heads, 1 of 2 kv heads
+    attended = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    summed = torch.zeros(3, 256)
+    for rank in range(2):
+        as_tp_rank(monkeypatch, "muse.layers.linear", 2, rank)
+        qkv = QKVParallelLinear(256, 64, 4, 2, quant_config=config, prefix=f"{prefix}.qkv_proj")
+        for part in "qkv":
+            _load(qkv, stored, f"{prefix}.{part}_proj", part)
+        process_weights_after_loading(qkv)
+        outputs = qkv(x).split(list(widths.values()), dim=-1)
+        for (part, width), output in zip(widths.items(), outputs):
+            torch.testing.assert_close(output, full[part][:, rank * width:(rank + 1) * width],
+                                       atol=1e-5, rtol=1e-5)
+        o_proj = RowParallelLinear(256, 256, reduce_results=False, quant_config=config,
+                                   prefix=f"{prefix}.o_proj")
+        _load(o_proj, stored, f"{prefix}.o_proj")
+        process_weights_after_loading(o_proj)
+        summed += o_proj(attended[:, rank * 128:(rank + 1) * 128])
+    torch.testing.assert_close(
+        summed, torch.nn.functional.linear(attended, plain[f"{prefix}.o_proj.weight"]),
+        atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_split_over_ranks_is_refused(checkpoints, monkeypatch):
+    """128 x 128 blocks over TP = 2: a rank's 64 rows of k_proj would cut a block."""
+    quantized, _ = checkpoints["block"]
+    stored = load_file(quantized / "model.safetensors")
+    as_tp_rank(monkeypatch, "muse.layers.linear", 2, 0)
+    prefix = "model.layers.0.self_attn"
+    qkv = QKVParallelLinear(256, 64, 4, 2, quant_config=load_quantization_config(
+        quantized, stored), prefix=f"{prefix}.qkv_proj")
+    with pytest.raises(ValueError, match="straddles"):
+        _load(qkv, stored, f"{prefix}.k_proj", "k")
+
+
+def _load(layer, stored: dict, module: str, part=None) -> None:
+    """Every checkpoint tensor of `module` into `layer`, through its weight loader."""
+    for name, tensor in stored.items():
+        if name.startswith(module + "."):
+            param = getattr(layer, name[len(module) + 1:])
+            if part is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, part)
