@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Model-free speculation on the agentic workload of `muse bench serve`: the shipped default
 # model served plainly, with n-gram (prompt lookup) and with suffix speculation, the same
-# trace replayed against each (the trace's scripted assistant replies go into the history, as
-# a recorded agent session would).
+# trace replayed against each, with the trace's scripted assistant replies in the history
+# (`--assistant-history trace`), so every server sees the same conversations.
 #
 #   scripts/spec_agentic_h200.sh OUT [CONCURRENCY] [SESSIONS]
 #
