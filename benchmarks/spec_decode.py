@@ -14,9 +14,11 @@ chat template as `LLM.chat` renders them.
      drafts. Greedy outputs with speculation are compared with greedy outputs without, token
      for token (speculation is lossless: they should all be equal).
 
-2. Speed. At each --concurrency C, the first C prompts of the held-out mix are started
-   together (greedy, up to --max-tokens output tokens each, each ending at its end-of-turn
-   token unless --ignore-eos) and `llm.generate` is timed wall clock (median of --repeats after one untimed warm-up), for three modes:
+2. Speed. At each --concurrency C, waves of C prompts of the held-out mix are started
+   together, one wave after the other until --speed-requests requests ran (at least one
+   wave; greedy, up to --max-tokens output tokens each, each ending at its end-of-turn token
+   unless --ignore-eos), and the waves are timed wall clock together (median of --repeats
+   after one untimed warm-up), for three modes:
    plain, speculative, and speculative with adaptive verification. Reported: output tokens/s,
    the speedup over plain, and output tokens/s per request (at C = 1: one user's rate).
 
@@ -87,7 +89,7 @@ NOTES = {
                 "model-free methods (ngram) draft one-hot whatever draft_sample_method says, so "
                 "token and block verification follow the same law there. Adaptive verification "
                 "is off in all three",
-    "output_tok_s": "output tokens of all C requests / wall time of llm.generate (median of "
+    "output_tok_s": "output tokens of all waves' requests / their wall time (median of "
                     "repeats, after one untimed warm-up of the same requests)",
     "per_request_tok_s": "output_tok_s / C; at C = 1 it is one user's decode rate (prefill "
                          "included)",
@@ -96,12 +98,13 @@ NOTES = {
              "CUDA graphs on a GPU); speculative: the config as given, adaptive verification "
              "off (each step read back before the next; draft and verify passes in CUDA "
              "graphs on a GPU); adaptive: the same with enable_adaptive_verification",
-    "speed_workload": "the first C prompts of the held-out mix (the default model's task "
-                      "mix), greedy, up to max_tokens output tokens each (exactly, past the "
-                      "end of turn, with ignore_eos), all submitted at once; the engine's "
-                      "max_num_seqs is at least C",
+    "speed_workload": "max(1, speed_requests // C) waves of C prompts of the held-out mix "
+                      "(the default model's task mix; wave w takes the next C), one "
+                      "llm.generate each, its C requests submitted at once; greedy, up to "
+                      "max_tokens output tokens each (exactly, past the end of turn, with "
+                      "ignore_eos); the engine's max_num_seqs is at least C",
     "speed_equal_to_plain": "requests of the last timed run whose output equals the plain "
-                            "run's, out of C",
+                            "run's, out of all its waves' requests",
 }
 
 
@@ -128,6 +131,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="temperature of the sampled acceptance runs")
     parser.add_argument("--concurrency", type=parse_list, default=[1, 8, 32, 64],
                         help="requests run at once in the speed runs, comma separated")
+    parser.add_argument("--speed-requests", type=int, default=16,
+                        help="speed: requests per timed run, in waves of --concurrency "
+                             "(several prompts, so that one prompt's acceptance does not "
+                             "decide the batch-1 figure)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per concurrency and mode (median reported)")
     parser.add_argument("--sections", type=lambda s: parse_list(s, str),
@@ -163,8 +170,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.sections) - {"acceptance", "speed"}
     if unknown or not args.sections:
         parser.error(f"--sections: acceptance and/or speed, got {args.sections}")
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.repeats < 1:
-        parser.error("--num-prompts, --max-tokens and --repeats must be positive")
+    if min(args.num_prompts, args.max_tokens, args.repeats, args.speed_requests) < 1:
+        parser.error("--num-prompts, --max-tokens, --repeats and --speed-requests must be "
+                     "positive")
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error("--concurrency: positive integers, comma separated")
     if not args.kv_cache_gib > 0:
@@ -380,10 +388,13 @@ def run_acceptance(llm: Any, args: argparse.Namespace, setting: str, prompts: Pr
 
 
 # ---- speed ---------------------------------------------------------------------------------
-def speed_prompts(prompts: Prompts, concurrency: int) -> list[list[int]]:
-    """The first `concurrency` prompts of the held-out mix (repeated if it is shorter)."""
+def speed_waves(prompts: Prompts, concurrency: int, requests: int) -> list[list[list[int]]]:
+    """max(1, requests // concurrency) waves of `concurrency` prompts of the held-out mix,
+    taken in order (repeated if it is shorter)."""
     mix = prompts.mix
-    return [mix[i % len(mix)] for i in range(concurrency)]
+    waves = max(1, requests // concurrency)
+    return [[mix[(w * concurrency + i) % len(mix)] for i in range(concurrency)]
+            for w in range(waves)]
 
 
 def run_speed(llm: Any, args: argparse.Namespace, prompts: Prompts, mode: str,
@@ -394,16 +405,21 @@ def run_speed(llm: Any, args: argparse.Namespace, prompts: Prompts, mode: str,
                             ignore_eos=args.ignore_eos)
     rows = []
     for concurrency in args.concurrency:
-        ids = speed_prompts(prompts, concurrency)
-        generate_ids(llm, ids, params)  # warm-up: kernels compile at new sizes
+        waves = speed_waves(prompts, concurrency, args.speed_requests)
+
+        def run_waves() -> list[list[int]]:
+            return [out for wave in waves for out in generate_ids(llm, wave, params)]
+
+        run_waves()  # warm-up: kernels compile at new sizes
         walls, outputs = [], []
         with StatsWindow(llm) as window:
             for _ in range(args.repeats):
-                outputs, wall = timed(lambda: generate_ids(llm, ids, params), args.device_obj)
+                outputs, wall = timed(run_waves, args.device_obj)
                 walls.append(wall)
         tokens = sum(map(len, outputs))
         wall = median(walls)
-        row: dict[str, Any] = {"concurrency": concurrency, "output_tokens": tokens,
+        row: dict[str, Any] = {"concurrency": concurrency, "requests": len(outputs),
+                               "output_tokens": tokens,
                                "wall_s": wall, "wall_s_runs": walls,
                                "output_tok_s": tokens / wall,
                                "per_request_tok_s": tokens / wall / concurrency}
@@ -483,7 +499,7 @@ def report(record: dict[str, Any]) -> str:
                     speedup = figures.get("speedup")
                     cells += ["-" if speedup is None else f"{speedup:.2f}x",
                               fmt(figures.get("mean_acceptance_length"), 2),
-                              f"{figures.get('equal_to_plain', '-')}/{row['concurrency']}"]
+                              f"{figures.get('equal_to_plain', '-')}/{figures['requests']}"]
             rows.append(cells)
         if lines:
             lines.append("")
@@ -540,7 +556,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer: chat prompts cannot be rendered")
-    prompts = held_out_prompts(tokenizer, args.num_prompts, max(args.concurrency), args.seed)
+    prompts = held_out_prompts(tokenizer, args.num_prompts,
+                               max(max(args.concurrency), args.speed_requests), args.seed)
     record["prompts"] = {
         "source": prompts.source, "split": HELD_OUT, "seed": args.seed,
         "per_family": {f: {"count": len(p), "mean_tokens": sum(map(len, p)) / len(p)}

@@ -175,7 +175,7 @@ def test_spec_decode_json(tmp_path):
     k = 3
     record = spec_decode.main([
         "--device", "cpu", "--num-prompts", "1", "--max-tokens", "6", "--concurrency", "1,2",
-        "--repeats", "1", "--speculative-config",
+        "--repeats", "1", "--speed-requests", "2", "--speculative-config",
         json.dumps({"method": "ngram", "num_speculative_tokens": k}), "--out", str(out)])
     assert json.loads(out.read_text())["benchmark"] == "spec_decode"
     assert "date" in record["environment"] and "git_commit" in record["environment"]
@@ -207,11 +207,12 @@ def test_spec_decode_json(tmp_path):
         assert row["plain"]["speedup"] == pytest.approx(1.0)
         for mode in ("plain", "speculative", "adaptive"):
             figures = row[mode]
-            assert figures["output_tokens"] == 6 * c  # EOS ignored
+            assert figures["requests"] == 2  # two waves of one, one wave of two
+            assert figures["output_tokens"] == 6 * 2  # EOS ignored
             assert positive(figures["output_tok_s"])
             assert figures["per_request_tok_s"] == pytest.approx(figures["output_tok_s"] / c)
             if mode != "plain":
-                assert positive(figures["speedup"]) and figures["equal_to_plain"] == c
+                assert positive(figures["speedup"]) and figures["equal_to_plain"] == 2
 
 
 def test_spec_decode_needs_a_drafter_for_drafter_methods(tmp_path):

@@ -470,6 +470,8 @@ class EngineCore:
             return []
         launched = self._launched(self.runner.launch(scheduled, previous)) \
             if scheduled else None
+        if launched is not None and isinstance(self.proposer, DrafterProposer):
+            self.proposer.draft_ahead(launched)
         changed = self._resolve(previous) if previous is not None else []
         if launched is not None:
             if self.overlap_schedule and not any(
@@ -594,11 +596,12 @@ class EngineCore:
 
     def _resolve(self, step: LaunchedStep) -> list[Request]:
         """Read a launched step's tokens back and apply them to its requests."""
-        if step.emitted is not None:
+        if step.verified is not None:
             # Speculative: each request emits its accepted drafts and one more token.
-            tokens = dict(zip(step.sampled, step.emitted))
-            logprobs = dict(zip(step.sampled, step.emitted_logprobs))
-            for drafts, emitted in zip(step.drafts, step.emitted):
+            emitted_tokens, emitted_logprobs = step.verified.read()
+            tokens = dict(zip(step.sampled, emitted_tokens))
+            logprobs = dict(zip(step.sampled, emitted_logprobs))
+            for drafts, emitted in zip(step.drafts, emitted_tokens):
                 if drafts:
                     self.spec_stats.record(len(drafts), len(emitted) - 1)
                     self.acceptance.record(len(drafts), len(emitted) - 1)

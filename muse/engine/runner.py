@@ -13,7 +13,7 @@ from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
-from muse.speculative.sampling import sample_with_drafts
+from muse.speculative.sampling import VerifiedDrafts, sample_with_drafts
 from muse.model.decoder import EngineModel
 
 
@@ -31,12 +31,13 @@ class LaunchedStep:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # request_id -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Speculative decoding: each sampled request's drafts verified by this step, and (read
-    # back at once) the tokens it emits: the accepted drafts and one more, with logprobs.
+    # Speculative decoding: each sampled request's drafts verified by this step, the position
+    # of the token before them, and the verification (the tokens each request emits: the
+    # accepted drafts and one more).
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q, None: one-hot
-    emitted: list[list[int]] | None = None
-    emitted_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    draft_anchors: list[int] = field(default_factory=list)
+    verified: VerifiedDrafts | None = None
     # Drafts left on the device: their tensor [requests, G] and each sampled request's row.
     device_drafts: tuple[torch.Tensor, list[int]] | None = None
 
@@ -149,6 +150,7 @@ class ModelRunner:
                 sample_index.extend(range(last - len(drafts), last + 1))
                 prepared.step.drafts.append(list(drafts))
                 prepared.step.draft_probs.append(request.spec_token_probs)
+                prepared.step.draft_anchors.append(end - 1 - len(drafts))
                 row = 0
                 if request.spec_token_device is not None and drafts:
                     draft_tensor, row = request.spec_token_device
@@ -186,7 +188,7 @@ class ModelRunner:
             step.prompt_logprobs[request_id] = prompt_logprobs(
                 logits[row:row + len(targets)], to_device(targets, self.device), num_top)
         if any(step.drafts):
-            step.emitted, step.emitted_logprobs = sample_with_drafts(
+            step.verified = sample_with_drafts(
                 logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
                 self.rejection_sample_method, step.draft_probs, step.device_drafts)
         elif prepared.sample_rows:

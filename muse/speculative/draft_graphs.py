@@ -61,21 +61,29 @@ class DraftGraphs:
     def covers(self, num_requests: int, table_width: int) -> bool:
         return num_requests <= self.buckets[-1] and table_width <= self.tables.shape[1]
 
-    def prepare(self, anchors: list[int], positions: list[int], tables: list[list[int]],
-                temperatures: list[float]) -> int:
-        """Copy `len(anchors)` requests' inputs (which `covers`) into the static buffers;
-        returns their bucket."""
-        count = len(anchors)
+    def prepare(self, anchors: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,
+                tables: list[list[int]], temperatures: list[float]) -> int:
+        """Copy `len(tables)` requests' inputs (which `covers`) into the static buffers;
+        returns their bucket. Anchors and positions may already be on the device (drafts
+        queued before the step that decides them is read back)."""
+        count = len(tables)
         size = next(s for s in self.buckets if s >= count)
-        pad = [0] * (size - count)
         width = max(len(table) for table in tables)
         # Table entries past a request's context are masked by position: stale ones are fine.
-        staged = to_device(anchors + pad + positions + pad
-                           + [b for table in tables for b in table + [0] * (width - len(table))],
-                           self.device)
-        self.rows[:, :size].copy_(staged[:2 * size].view(2, size))
-        self.tables[:count, :width].copy_(staged[2 * size:].view(count, width))
-        self.temperatures[:count].copy_(to_device(temperatures, self.device, torch.float32))
+        flat_tables = [b for table in tables for b in table + [0] * (width - len(table))]
+        if isinstance(anchors, torch.Tensor):
+            # Padding rows keep whatever an earlier step left: their drafts are never read.
+            self.anchors[:count].copy_(anchors)
+            self.positions[:count].copy_(positions)
+            staged = to_device(flat_tables, self.device)
+        else:
+            pad = [0] * (size - count)
+            staged = to_device(anchors + pad + positions + pad + flat_tables, self.device)
+            self.rows[:, :size].copy_(staged[:2 * size].view(2, size))
+            staged = staged[2 * size:]
+        self.tables[:count, :width].copy_(staged.view(count, width))
+        if not self.greedy:
+            self.temperatures[:count].copy_(to_device(temperatures, self.device, torch.float32))
         return size
 
     def replay(self, size: int, count: int) -> DraftProposal:

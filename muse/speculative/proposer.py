@@ -17,12 +17,13 @@ import torch
 
 from muse.engine.args import EngineArgs
 from muse.engine.request import Request
+from muse.engine.runner import LaunchedStep
+from muse.engine.transfer import to_device
 from muse.model.decoder import EngineModel
 from muse.speculative.config import SpeculativeConfig
-from muse.engine.transfer import to_device
 from muse.speculative.draft_graphs import DraftGraphs
 from muse.speculative.draft_kv import DraftKV
-from muse.speculative.drafter import MuseDrafter, load_drafter
+from muse.speculative.drafter import DraftProposal, MuseDrafter, load_drafter
 from muse.speculative.ngram import WINDOW, propose_ngram
 from muse.speculative.sampling import uses_output_tokens
 from muse.speculative.suffix import SuffixProposer
@@ -71,6 +72,9 @@ class DrafterProposer:
         self.kv: DraftKV | None = None
         self.graphs: DraftGraphs | None = None
         self.block_tables: Callable[[Request], dict[str, list[int]]] | None = None
+        # Drafts queued by `draft_ahead` for the next step: request id -> row, and the tensor.
+        self.ahead: tuple[dict[str, int], torch.Tensor] | None = None
+        self.steps_drafted_ahead = 0
 
     def allocate(self, model: EngineModel, num_blocks: dict[str, int], block_size: int,
                  block_tables: Callable[[Request], dict[str, list[int]]],
@@ -108,7 +112,13 @@ class DrafterProposer:
         """Nothing kept per request."""
 
     def propose(self, requests: list[Request], rooms: list[int]) -> list[Drafts]:
+        ahead, self.ahead = self.ahead, None
         active = [(r, room) for r, room in zip(requests, rooms) if room > 0]
+        if ahead is not None and all(r.request_id in ahead[0] for r, _ in active):
+            rows, tokens = ahead
+            self.steps_drafted_ahead += 1
+            return [Drafts([0] * min(room, tokens.shape[1]), device=(tokens, rows[r.request_id]))
+                    if room > 0 else Drafts([]) for r, room in zip(requests, rooms)]
         proposals: dict[str, Drafts] = {}
         # A seeded request draws its drafts from its own generator, alone, so that its
         # output does not depend on the batch; the others draft together.
@@ -120,6 +130,30 @@ class DrafterProposer:
                                            if len(group) == 1 else None))
         return [proposals.get(r.request_id, Drafts([])) for r in requests]
 
+    def draft_ahead(self, step: LaunchedStep) -> None:
+        """Queue the next step's drafts behind this step's verification, before the host reads
+        it back. Each request's next anchor is the token its verification emits last, one
+        position past its accepted drafts: both known only on the device, and enough for the
+        drafter, whose context rows the verify pass has just written. The drafter's device
+        time then overlaps the host's reading and bookkeeping of the step, and `propose` finds
+        the next step's drafts made. Only where drafts stay on the device (greedy drafts that
+        nothing on the host reads); a request that left or changed course since simply
+        drafts again."""
+        self.ahead = None
+        verified, requests = step.verified, step.sampled
+        if (not self.drafts_on_device or verified is None
+                or any(r.grammar is not None or uses_output_tokens(r.params) for r in requests)):
+            return
+        device = verified.accepted.device
+        # The blocks of every row the verify pass wrote: the next anchor is at most one past.
+        tables = [self.block_tables(r)[DraftKV.kind][:-(-(position + len(drafts) + 1)
+                                                       // self.kv.block_size)]
+                  for r, position, drafts in zip(requests, step.draft_anchors, step.drafts)]
+        positions = to_device(step.draft_anchors, device) + verified.accepted + 1
+        anchors = verified.outputs.gather(1, verified.accepted[:, None]).squeeze(1)
+        proposal = self._draft(anchors, positions, tables, [0.0] * len(requests), None)
+        self.ahead = ({r.request_id: row for row, r in enumerate(requests)}, proposal.tokens)
+
     def _propose(self, active: list[tuple[Request, int]],
                  generator: torch.Generator | None) -> dict[str, Drafts]:
         anchors = [r.token_ids(r.num_tokens - 1, r.num_tokens)[0] for r, _ in active]
@@ -128,18 +162,7 @@ class DrafterProposer:
         tables = [self.block_tables(r)[DraftKV.kind][:max(1, -(-position // self.kv.block_size))]
                   for (r, _), position in zip(active, positions)]
         temperatures = [self._draft_temperature(r) for r, _ in active]
-        width = max(len(table) for table in tables)
-        if (generator is None and self.graphs is not None
-                and self.graphs.covers(len(active), width)):
-            size = self.graphs.prepare(anchors, positions, tables, temperatures)
-            proposal = self.graphs.replay(size, len(active))
-        else:
-            device = self.kv.pools[0][0].device
-            proposal = self.kv.propose(
-                to_device(anchors, device), to_device(positions, device),
-                to_device([t + [0] * (width - len(t)) for t in tables], device),
-                to_device(temperatures, device, torch.float32) if any(temperatures) else None,
-                generator)
+        proposal = self._draft(anchors, positions, tables, temperatures, generator)
         if self.drafts_on_device and not any(uses_output_tokens(r.params) for r, _ in active):
             return {request.request_id: Drafts([0] * min(room, proposal.tokens.shape[1]),
                                                device=(proposal.tokens, index))
@@ -152,6 +175,23 @@ class DrafterProposer:
             confidence[index][:room] if confidence is not None else None)
             for index, (request, room) in enumerate(active)}
 
+    def _draft(self, anchors: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,
+               tables: list[list[int]], temperatures: list[float],
+               generator: torch.Generator | None) -> DraftProposal:
+        """One block per request (anchor tokens and positions on the host or the device),
+        through the draft graphs where they cover the batch."""
+        width = max(len(table) for table in tables)
+        if (generator is None and self.graphs is not None
+                and self.graphs.covers(len(tables), width)):
+            size = self.graphs.prepare(anchors, positions, tables, temperatures)
+            return self.graphs.replay(size, len(tables))
+        device = self.kv.pools[0][0].device
+        return self.kv.propose(
+            _on_device(anchors, device), _on_device(positions, device),
+            to_device([t + [0] * (width - len(t)) for t in tables], device),
+            to_device(temperatures, device, torch.float32) if any(temperatures) else None,
+            generator)
+
     def _draft_temperature(self, request: Request) -> float:
         """Greedy drafts unless `draft_sample_method` is probabilistic and the request samples
         (then the request's temperature: q is what the drafts are drawn from)."""
@@ -159,6 +199,10 @@ class DrafterProposer:
         if self.config.draft_sample_method != "probabilistic" or params.greedy:
             return 0.0
         return params.temperature
+
+
+def _on_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return values if isinstance(values, torch.Tensor) else to_device(values, device)
 
 
 def make_proposer(config: SpeculativeConfig, model: EngineModel, args: EngineArgs,

@@ -12,7 +12,7 @@ model-free speculators are one-hot (q = None). The logprobs of emitted tokens ar
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
@@ -22,21 +22,40 @@ from muse.engine.request import TokenLogprobs
 from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_processing,
                                  filtered_probabilities, token_logprobs)
 from muse.engine.sampling_params import SamplingParams
-from muse.engine.transfer import to_device
+from muse.engine.transfer import HostCopy, to_device
 from muse.speculative.verification import verify_block, verify_greedy, verify_tokenwise
+
+
+@dataclass
+class VerifiedDrafts:
+    """A verification queued on the device: each request's accepted count t [R] and emitted
+    tokens [R, G + 1] (its t accepted drafts, one more, then -1), on their way to the host.
+    Until `read` waits for them, the device may take more work that reads them (the next
+    step's drafts)."""
+
+    accepted: torch.Tensor
+    outputs: torch.Tensor
+    copy: HostCopy  # [R, G + 2]: the count, then the tokens
+    rows: list[SamplingRow]
+    starts: list[int]
+    raw_logprobs: torch.Tensor | None  # the logits' log-softmax, where logprobs are asked for
+
+    def read(self) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Each request's emitted tokens and their logprobs (None where not asked for)."""
+        emitted = [tokens[1:tokens[0] + 2] for tokens in self.copy.tolist()]
+        return emitted, _logprobs(self.raw_logprobs, self.rows, self.starts, emitted)
 
 
 def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
                        rejection_sample_method: str = "token",
                        draft_probs: list[torch.Tensor | None] | None = None,
                        device_drafts: tuple[torch.Tensor, list[int]] | None = None
-                       ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+                       ) -> VerifiedDrafts:
     """`logits` holds, request after request, the g_r + 1 rows of each request's step;
     `draft_probs[r]` [g_r, vocab] is the distribution request r's drafts were drawn from
     (None: one-hot). With `device_drafts` (tensor [N, G], row of each request) the drafts'
-    values are that tensor's and `drafts` only gives their counts. Returns each request's
-    emitted tokens (its t accepted drafts, then one more) and their logprobs (None where not
-    asked for)."""
+    values are that tensor's and `drafts` only gives their counts. Nothing is read back
+    here: the result's `read` does it."""
     device = logits.device
     num_requests, vocab = len(rows), logits.shape[1]
     width = max(len(d) for d in drafts)
@@ -75,10 +94,13 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
             accepted = torch.where(greedy_mask, t, accepted)
             outputs = torch.where(greedy_mask[:, None], out, outputs)
 
-    # One read-back: each request's count, then its tokens.
-    result = torch.cat([accepted[:, None], outputs], dim=1).tolist()
-    emitted = [tokens[1:tokens[0] + 2] for tokens in result]
-    return emitted, _logprobs(logits, rows, starts, emitted)
+    # One read-back: each request's count, then its tokens. The logprobs' log-softmax is
+    # taken now, as `logits` may be a graph's output that a later replay overwrites.
+    raw = logits.log_softmax(dim=-1) \
+        if any(row.params.logprobs is not None for row in rows) else None
+    return VerifiedDrafts(accepted, outputs,
+                          HostCopy(torch.cat([accepted[:, None], outputs], dim=1)), rows,
+                          starts, raw)
 
 
 def _processes_logits(params: SamplingParams) -> bool:
@@ -134,16 +156,13 @@ def _noise(rows: list[SamplingRow], width: int, vocab: int, device: torch.device
     return uniforms, exponentials
 
 
-def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], starts: list[int],
+def _logprobs(raw: torch.Tensor | None, rows: list[SamplingRow], starts: list[int],
               emitted: list[list[int]]) -> list[list[TokenLogprobs | None]]:
     result: list[list[Any]] = []
-    raw = None
     for row, start, tokens in zip(rows, starts, emitted):
         if row.params.logprobs is None:
             result.append([None] * len(tokens))
             continue
-        if raw is None:
-            raw = logits.log_softmax(dim=-1)
         result.append([token_logprobs(raw[start + i], token, row.params.logprobs)
                        for i, token in enumerate(tokens)])
     return result

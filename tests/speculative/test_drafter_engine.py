@@ -117,6 +117,9 @@ def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir, o
     stats = drafted.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
     assert len(checked) > 10 and max(checked) > 0  # a prefix-cache hit was among them
+    # Device drafts are queued behind the step before (`draft_ahead`) while the batch keeps
+    # its requests, and drafted afresh when it changes.
+    assert (proposer.steps_drafted_ahead > 0) == on_device
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
