@@ -77,6 +77,9 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
             "seed": args.seed, "enforce_eager": args.enforce_eager,
             "overlap_schedule": not args.disable_overlap_schedule,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "calculate_kv_scales": args.calculate_kv_scales,
+            "quantization": args.quantization,
             "speculative_config": args.speculative_config}
 
 
@@ -152,11 +155,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from muse.quantization.quantize import quantize_checkpoint
+    from muse.quantization.quantize import quantize_checkpoint, summary
 
-    settings = quantize_checkpoint(args.source, args.destination, args.format, args.ignore)
-    print(f"wrote {args.destination} ({settings['format']}; "
-          f"{len(settings['ignore'])} projections left unquantized)")
+    settings = quantize_checkpoint(args.source, args.destination, args.format, args.ignore,
+                                   calibration_prompts=args.calibration_prompts,
+                                   layout=args.layout)
+    print(f"wrote {args.destination} ({args.layout} layout, {summary(settings)})")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
@@ -166,6 +170,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    from muse.engine.args import KV_CACHE_DTYPES
+    from muse.quantization import ONLINE_FORMATS
+
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                             "float16"],
                         help="weights and activations; auto: the checkpoint's dtype on a GPU, "
@@ -176,6 +183,16 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt plus reply in tokens (default: the model's limit, "
                              "capped by the KV cache)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="KV-cache storage; auto: the model's dtype; fp8 / fp8_e4m3: "
+                             "float8 E4M3 with per-layer scales (one byte an element: twice the "
+                             "tokens of bfloat16)")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="with an FP8 KV cache, set its scales from the first step's keys "
+                             "and values instead of the checkpoint's or 1.0 (default: off)")
+    parser.add_argument("--quantization", "-q", default=None, choices=list(ONLINE_FORMATS),
+                        help="quantize an unquantized model as it loads, as `muse quantize "
+                             "--format` would write it (default: as stored)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0,
@@ -212,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--context", type=int, default=None,
                       help="context length for the KV-cache figure (default: the model's maximum)")
     info.add_argument("--kv-dtype", default="bfloat16",
-                      choices=["bfloat16", "float16", "float32", "fp8"],
+                      choices=["bfloat16", "float16", "float32", "fp8", "fp8_e4m3"],
                       help="KV-cache dtype of the byte figures")
     info.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                       help="weight dtype of the per-GPU byte figures (default: the config's)")
@@ -309,16 +326,29 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_eval)
 
     quantize = sub.add_parser(
-        "quantize", help="write a quantized copy of a checkpoint (compressed-tensors layout); "
-                         "see docs/formats.md", formatter_class=DefaultsHelpFormatter)
+        "quantize", help="write a quantized copy of a checkpoint (compressed-tensors or "
+                         "ModelOpt layout); see docs/formats.md",
+        formatter_class=DefaultsHelpFormatter)
     quantize.add_argument("source", help="the checkpoint folder to quantize")
     quantize.add_argument("destination", help="the folder to write")
-    quantize.add_argument("--format", required=True, choices=["fp8", "nvfp4-w4a16"],
-                          help="fp8: FP8 E4M3 weights per output channel; nvfp4-w4a16: NVFP4 "
-                               "weights (blocks of 16, FP8 block scales, a global scale)")
+    quantize.add_argument("--format", required=True,
+                          choices=["nvfp4", "nvfp4-w4a16", "mxfp4", "fp8"],
+                          help="nvfp4: NVFP4 weights (blocks of 16, FP8 block scales, a "
+                               "global scale) and calibrated activation global scales (W4A4); "
+                               "nvfp4-w4a16: the weights only; mxfp4: MXFP4 weights (blocks "
+                               "of 32, power-of-two scales); fp8: FP8 E4M3 weights (static "
+                               "activation scales with --calibration-prompts)")
     quantize.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
                           help="leave matching projections unquantized: a module name, a "
                                "glob, or re:REGEX (repeat for several; routers always stay)")
+    quantize.add_argument("--calibration-prompts", default=None, metavar="FILE",
+                          help="prompts for the activation scales: one per line (user "
+                               "messages), or .jsonl lines with \"messages\", \"prompt\" or "
+                               "\"token_ids\" (default: the prompts shipped in muse/assets)")
+    quantize.add_argument("--layout", default="compressed-tensors",
+                          choices=["compressed-tensors", "modelopt"],
+                          help="compressed-tensors (llm-compressor's; every format) or "
+                               "modelopt (hf_quant_config.json; nvfp4 and fp8)")
     quantize.set_defaults(func=cmd_quantize)
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments

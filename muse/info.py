@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 
 from muse.config import FULL, SLIDING, AudioConfig, MuseSparkConfig, TextConfig, VisionConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
+               "float8_e4m3fn": 1}
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import latency, profile_step, spec_decode, throughput
+from benchmarks import latency, profile_step, quantized_speed, spec_decode, throughput
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -225,3 +225,18 @@ def test_spec_decode_needs_a_drafter_for_drafter_methods(tmp_path):
         spec_decode.parse_args(["--sections", "latency"])
     with pytest.raises(SystemExit):
         spec_decode.parse_args(["--speculative-config", '{"method": "ngram", "k": 3}'])
+
+
+def test_quantized_speed_json(tmp_path):
+    """Each format's weights as stored (FP4 far below bf16), its rates and KV capacities."""
+    out = tmp_path / "quantized.json"
+    record = quantized_speed.main([
+        "--shape", "muse-spark-tiny", "--device", "cpu", "--dtype", "float32",
+        "--formats", "bf16,nvfp4-w4a16", "--context", "16", "--decode-tokens", "3",
+        "--requests", "2", "--prompt-tokens", "8", "--output-tokens", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "quantized_speed"
+    bf16, fp4 = record["rows"]
+    assert fp4["weight_bytes"] < bf16["weight_bytes"]
+    for row in (bf16, fp4):
+        assert positive(row["decode_tok_s"]) and positive(row["throughput_tok_s"])
+        assert row["kv_tokens_fp8"] >= row["kv_tokens"] > 0

@@ -11,9 +11,12 @@ import torch
 from muse.distributed.config import ParallelConfig
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 from muse.presets import PRESETS
+from muse.quantization import ONLINE_FORMATS
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's storage; "auto" is the model's dtype (vLLM's and SGLang's names).
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -30,6 +33,19 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     gpu_memory_utilization: float = 0.9
+    # fp8 / fp8_e4m3: K/V stored as float8_e4m3fn with per-layer scales (the checkpoint's
+    # k_scale / v_scale, else 1.0; `calculate_kv_scales`: from the first step's K/V).
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    # Quantized checkpoints (muse.quantization.common.QuantOptions): FP8 linears weight-only
+    # (W8A16) even where FP8 tensor cores run them W8A8; or activations quantized as W4A4 /
+    # W8A8 kernels would, where none runs (NVFP4 with activation scales: eager, no graphs).
+    quantization_weight_only: bool = False
+    quantization_emulate_activations: bool = False
+    # Online quantization (vLLM's `--quantization`): an unquantized model (a checkpoint, or a
+    # preset's random weights) quantized as it loads, as `muse quantize --format` would write
+    # it: fp8, nvfp4-w4a16 or mxfp4 (formats without calibrated activation scales).
+    quantization: str | None = None
     init_std: float | None = None  # weight scale of a preset's random weights
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
     # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
@@ -92,6 +108,10 @@ class EngineArgs:
             raise ValueError(f"`dtype` must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
         return DTYPES[self.dtype]
 
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model computing in `model_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "max_grammar_bytes", "grammar_compile_threads"):
@@ -109,8 +129,17 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("`gpu_memory_utilization` must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.quantization_weight_only and self.quantization_emulate_activations:
+            raise ValueError("`quantization_weight_only` and `quantization_emulate_activations` "
+                             "exclude each other: choose one")
+        if self.quantization is not None:
+            if self.quantization not in ONLINE_FORMATS:
+                raise ValueError(f"`quantization` must be one of {list(ONLINE_FORMATS)} (or "
+                                 f"unset), got {self.quantization!r}; formats with activation "
+                                 "scales need calibration: write them with `muse quantize`")
         self._validate_model()
         self._validate_device()
+        self._validate_kv_cache_dtype()
         self._validate_parallel()
         from muse.speculative.config import SpeculativeConfig
 
@@ -126,6 +155,21 @@ class EngineArgs:
             if value != AUTO and value not in registry:
                 raise ValueError(f"`{name}` must be {AUTO!r} or one of {sorted(registry)}, "
                                  f"got {value!r}")
+
+    def _validate_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"`kv_cache_dtype` must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        fp8 = KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+        if self.calculate_kv_scales and not fp8:
+            raise ValueError("`calculate_kv_scales` needs an FP8 KV cache: set "
+                             "`kv_cache_dtype` to 'fp8'")
+        device = self.resolve_device()
+        if fp8 and device.type == "cuda" and self.attention_backend != "torch" \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("`kv_cache_dtype` 'fp8' with the Triton attention kernels needs a "
+                             "GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                             "use `attention_backend` 'torch' on this one")
 
     def _validate_parallel(self) -> None:
         config = self.parallel_config()

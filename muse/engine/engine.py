@@ -6,7 +6,8 @@ import copy
 import logging
 import multiprocessing
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -39,7 +40,9 @@ from muse.checkpoint.reader import CheckpointReader
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
 from muse.presets import PRESETS, get_preset
-from muse.quantization.config import load_quantization_config
+from muse.quantization.common import QuantOptions, quant_options
+from muse.quantization.config import load_quantization_config, quantization_of
+from muse.quantization.quantize import TensorSource, quantized_tensors
 from muse.reference.model import MuseForCausalLM, init_weights, init_weights_on_device
 
 logger = logging.getLogger("muse")
@@ -79,7 +82,15 @@ def load_engine_model(args: EngineArgs, device: torch.device
             quant_config = load_quantization_config(args.model, reader.names())
         if quant_config is not None:
             logger.info("quantized checkpoint: %s", quant_config)
-    with torch.device(device):
+    options = QuantOptions(weight_only=args.quantization_weight_only,
+                           emulate_activations=args.quantization_emulate_activations)
+    if args.quantization is not None:
+        if quant_config is not None:
+            raise ValueError(f"`quantization` {args.quantization!r} quantizes an unquantized "
+                             f"model, and {args.model} is already quantized ({quant_config})")
+        with quant_options(options):
+            return config, quantized_online(args, config, backends, dtype, device), dtype
+    with torch.device(device), quant_options(options):
         model = EngineModel(config.text_config, backends, dtype, quant_config)
     if args.model not in PRESETS:
         load_checkpoint(model, args.model)
@@ -94,6 +105,42 @@ def load_engine_model(args: EngineArgs, device: torch.device
     init_weights(reference, args.seed, std)
     load_named_tensors(model, reference.state_dict().items(), f"preset {args.model}")
     return config, model, dtype
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside the block take `dtype` (a model drawn in its own dtype, not
+    in float32 first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def quantized_online(args: EngineArgs, config: MuseSparkConfig, backends, dtype: torch.dtype,
+                     device: torch.device) -> EngineModel:
+    """The engine model of an unquantized checkpoint or preset, its weights quantized to
+    `args.quantization` as they load (`muse quantize`'s tensors, made one module at a time
+    on the weights' device: a preset's random weights are drawn there in the model dtype)."""
+    if args.model in PRESETS:
+        with torch.device(device), default_dtype(dtype):
+            reference = MuseForCausalLM(config.text_config)
+        init_weights_on_device(reference, args.seed,
+                               args.init_std or config.text_config.initializer_range)
+        source, where = TensorSource(reference.state_dict()), f"preset {args.model}"
+        context = nullcontext(source)
+    else:
+        context, where = CheckpointReader(args.model), f"checkpoint {args.model}"
+    with context as source:
+        settings, names, tensors = quantized_tensors(source, args.quantization)
+        quant_config = quantization_of(settings, names)
+        logger.info("%s quantized as it loads: %s", where, quant_config)
+        with torch.device(device):
+            model = EngineModel(config.text_config, backends, dtype, quant_config)
+        load_named_tensors(model, tensors, f"{where} ({args.quantization})")
+    return model
 
 
 def load_tokenizer(args: EngineArgs):
@@ -144,6 +191,7 @@ class EngineCore:
         """The model, its KV cache and the executor (rank 0's share, with the workers')."""
         args = self.args
         self.model_config, model, self.dtype = load_engine_model(args, self.device)
+        self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype)
         self.config = self.model_config.text_config
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
@@ -159,7 +207,7 @@ class EngineCore:
         budget = shared_kv_budget(self.model, args, self.device, self.dtype) \
             * args.parallel_config().pipeline_parallel_size
         drafter = self.proposer.drafter if isinstance(self.proposer, DrafterProposer) else None
-        num_blocks = split_blocks(self.config, budget, args.block_size, self.dtype,
+        num_blocks = split_blocks(self.config, budget, args.block_size, self.kv_cache_dtype,
                                   args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len or self.config.max_position_embeddings,
                                   self.model.num_kv_heads,
@@ -171,8 +219,8 @@ class EngineCore:
                              "`gpu_memory_utilization`, or free GPU memory")
         self.num_blocks = num_blocks
         self.max_model_len = self._check_capacity(num_blocks)
-        kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size, self.dtype,
-                                       self.device)
+        kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size,
+                                       self.kv_cache_dtype, self.device)
         if drafter is not None:
             self.proposer.allocate(self.model, num_blocks, args.block_size,
                                    lambda request: self.kv_cache.block_tables(request),
@@ -190,11 +238,16 @@ class EngineCore:
         self._init_scheduling()
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             self.step_costs = self._profile_step_costs()
-        sizes = block_bytes(self.config, args.block_size, self.dtype, self.model.num_kv_heads)
-        logger.info("KV cache: %s (%.1f MiB); max_model_len %d",
+        sizes = block_bytes(self.config, args.block_size, self.kv_cache_dtype,
+                            self.model.num_kv_heads)
+        logger.info("KV cache: %s (%.1f MiB, %s); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
                               for kind, n in num_blocks.items()),
-                    sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20, self.max_model_len)
+                    sum(n * sizes[k] for k, n in num_blocks.items()) / 2**20,
+                    str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len)
+        if args.calculate_kv_scales:
+            # After every dummy run above (memory profile, graph capture, step costs).
+            self.model.calculate_kv_scales_on_next_step()
 
     def _init_scheduling(self) -> None:
         """What one data-parallel rank schedules with: its queue, the block manager of its KV
@@ -320,7 +373,9 @@ class EngineCore:
                 ) -> list[DecodeGraphs]:
         """Captured decode graphs and, with speculation, verify graphs of each query length
         (and the drafter's), on CUDA unless `enforce_eager`."""
-        if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1:
+        # Emulated W4A4 experts ask the host for their expert counts: not capturable.
+        if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1 \
+                or self.args.quantization_emulate_activations:
             return []
         block_size, max_batch = self.args.block_size, self.args.max_num_seqs
         full_width = -(-self.max_model_len // block_size)

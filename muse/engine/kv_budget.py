@@ -12,7 +12,8 @@ CPU_DEFAULT_KV_BYTES = 256 * 2**20
 def block_bytes(config: TextConfig, block_size: int, dtype: torch.dtype,
                 num_kv_heads: int | None = None) -> dict[str, int]:
     """Bytes one block of each kind takes over all layers of that kind (K and V), with
-    `num_kv_heads` per layer (a rank's share; default: all of the model's)."""
+    `num_kv_heads` per layer (a rank's share; default: all of the model's) and elements of
+    the KV cache's `dtype` (1 byte for FP8, so twice the blocks of BF16 in one budget)."""
     heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     per_layer = 2 * block_size * heads * config.head_dim * dtype.itemsize
     return {kind: per_layer * config.layer_types.count(kind) for kind in dict.fromkeys(config.layer_types)}

@@ -48,8 +48,8 @@ def profile_activation_bytes(model: EngineModel, args: EngineArgs, device: torch
     from muse.engine.worker import ModelWorker
 
     kinds = list(dict.fromkeys(model.config.layer_types))
-    kv_caches = allocate_kv_caches(model, {kind: 1 for kind in kinds}, args.block_size, dtype,
-                                   device)
+    kv_caches = allocate_kv_caches(model, {kind: 1 for kind in kinds}, args.block_size,
+                                   args.resolve_kv_cache_dtype(dtype), device)
     worker = ModelWorker(model, kv_caches, device, args.block_size)
     tokens = args.max_num_batched_tokens
     batch = HostBatch.dummy(kinds, tokens, args.block_size)

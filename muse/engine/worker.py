@@ -59,12 +59,17 @@ class ModelWorker:
         MoE collectives of the busy ones meet."""
         dp = get_dp_group()
         rows = logits_rows[dp.rank_in_group]
+        rearm_kv_scales = False
         if dp.world_size > 1 and get_parallel_config().enable_expert_parallel:
             if batch is None:
                 kinds = list(dict.fromkeys(self.model.config.layer_types))
                 batch, rows = HostBatch.dummy(kinds), []
+                # The dummy token must not set the FP8 KV scales: the next real step does.
+                rearm_kv_scales = self.model.kv_scales_pending
             batch.dp_num_tokens = [count or 1 for count in num_tokens]
         logits = self.execute(batch, rows) if batch is not None else None
+        if rearm_kv_scales:
+            self.model.calculate_kv_scales_on_next_step()
         if dp.world_size == 1:
             return [logits]
         return self._gather_logits(logits, logits_rows)
@@ -166,8 +171,9 @@ class ModelWorker:
 
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Final hidden states of the step's tokens: a captured graph when one fits."""
-        for graphs in self.graphs:
+        """Final hidden states of the step's tokens: a captured graph when one fits (not for
+        the step that calculates the FP8 KV scales: the graphs were captured without that)."""
+        for graphs in () if self.model.kv_scales_pending else self.graphs:
             size = graphs.prepare(batch)
             if size is not None:
                 targets, sources = pending

@@ -40,8 +40,11 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
         _, model, dtype = load_engine_model(args, device)
         shared_kv_budget(model.eval(), args, device, dtype)
         num_blocks = world.broadcast_object(None, src=0)
-        kv_caches = allocate_kv_caches(model, num_blocks, args.block_size, dtype, device)
+        kv_caches = allocate_kv_caches(model, num_blocks, args.block_size,
+                                       args.resolve_kv_cache_dtype(dtype), device)
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
+        if args.calculate_kv_scales:
+            model.calculate_kv_scales_on_next_step()  # from this rank's first step, as rank 0
         # This rank's data-parallel rank's requests, as the driver's deltas describe them.
         kinds = list(num_blocks)
         mirror = RequestMirror(kinds)

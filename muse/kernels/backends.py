@@ -3,9 +3,10 @@
 Two small registries, attention and MoE, map a backend name to its functions. "torch" is the
 plain PyTorch twins (any device: the oracle the kernels are tested against); "triton" is the
 Triton kernels (CUDA). Norms and rotary follow the attention backend. "auto" picks Triton on
-CUDA and the twins elsewhere. Later backends (an FP8 KV cache, a Hopper attention kernel, a
-persistent MoE kernel) register here by name and are chosen with `--attention-backend` /
-`--moe-backend`; the model never looks at a tensor's device to decide.
+CUDA and the twins elsewhere. Later backends (a Hopper attention kernel, a persistent MoE
+kernel) register here by name and are chosen with `--attention-backend` / `--moe-backend`;
+the model never looks at a tensor's device to decide. An FP8 KV cache is not a backend: both
+attention backends store and read FP8 caches, with the layer's scales.
 
 Triton modules are imported only when a Triton backend is chosen, so CPU-only processes never
 import Triton.
@@ -24,8 +25,9 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    write_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping)
-    paged_attention: Callable  # (q, k_cache, v_cache, meta, kind, window, scale) -> out
+    write_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    # (q, k_cache, v_cache, meta, kind, window, scale, k_scale, v_scale) -> out
+    paged_attention: Callable
     qk_norm_rope: Callable  # (q, k, q_weight, k_weight, cos, sin, eps) -> (q, k)
     rms_norm: Callable  # (x, weight, eps) -> normed
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (normed, x + residual)

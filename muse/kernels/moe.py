@@ -27,9 +27,16 @@ order). Tensor parallelism splits each expert's intermediate width over ranks, s
 y is a partial sum of the down projection; the expert's RMSNorm is not linear, so those
 partials must be summed (all-reduced) per pair before the norm, not after the combine.
 
-At decode sizes (T*k <= min(64, E), `moe_triton.use_one_pair_per_block`) step 1 is skipped:
+At decode sizes (T*k <= min(64, E), or up to 64 over experts small enough to stay in L2;
+`moe_triton.use_one_pair_per_block`) step 1 is skipped:
 each pair is an M block of its own, whose expert the GEMMs read from expert_ids directly, so the
 call is three kernel launches and nothing else.
+
+FP4 experts (W4A16): `gate_up` and / or `down` may be `muse.kernels.w4a16.Fp4Weight`s (NVFP4
+or MXFP4, packed [E, 2I, L/2] and [E, L, I/2] with their block scales and per-row factors).
+The Triton GEMMs then read the packed bytes and scales and form each weight tile in the
+activation dtype in registers (a compile-time switch of the same kernels, so both modes
+above work unchanged); the twin dequantizes the weights and runs as for dense ones.
 """
 
 from __future__ import annotations
@@ -38,17 +45,20 @@ import torch
 import torch.nn.functional as F
 
 from muse.kernels.moe_align import PairReduce
+from muse.kernels.w4a16 import Fp4Weight, dense_weight
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor,
+                        gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
                         norm_weight: torch.Tensor | None, eps: float,
                         reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
 
     It rounds where the kernels round: h in the activation dtype, everything after the second
     matmul in float32. It asks the host for the per-expert counts once, so it is not capturable.
+    FP4 experts are dequantized and rounded to the activation dtype first.
     """
+    gate_up, down = dense_weight(gate_up, x.dtype), dense_weight(down, x.dtype)
     num_tokens, top_k = expert_ids.shape
     inter = down.shape[2]
     flat = expert_ids.reshape(-1)
@@ -75,7 +85,7 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                         gate_up: torch.Tensor, down: torch.Tensor,
+                         gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
                          norm_weight: torch.Tensor | None, eps: float,
                          one_pair_per_block: bool | None = None,
                          reduce_pairs: PairReduce | None = None) -> torch.Tensor:

@@ -9,11 +9,16 @@ Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 
 * aligned (many pairs): `align_pairs` sorts the pairs by expert into BLOCK_M-row blocks, so
   each expert's weights are streamed once per block of its pairs;
-* one pair per block (decode: T*k <= min(64, E), see `use_one_pair_per_block`): no alignment.
+* one pair per block (decode: T*k <= min(64, E), or up to 64 pairs over experts that fit in
+  L2; see `use_one_pair_per_block`): no alignment.
   Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
   call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
   instead of those three after a dozen tiny torch ops, which is what a decode step's time is
   made of.
+
+Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
+(a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
+`muse.kernels.w4a16_triton`, the rest of the kernel (block rows, experts, masks) unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import triton
 import triton.language as tl
 
 from muse.kernels.moe_align import PairReduce, align_pairs
+from muse.kernels.w4a16 import Fp4Weight
+from muse.kernels.w4a16_triton import even_odd_columns, fp4_weight_tiles
 
 
 @dataclass(frozen=True)
@@ -37,11 +44,18 @@ class Tiles:
 # The tiles of few pairs per expert; also those of the one-pair-per-block mode.
 DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 
+# GEMM 2's widest prefill tile (256 columns) spills registers once each weight tile is also
+# dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128.
+FP4_MAX_GEMM2_BLOCK_N = 128
+
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
 ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64
+# Experts this small in all (every expert's weights, bytes) stay in the H200's 50 MB L2.
+L2_RESIDENT_EXPERT_BYTES = 16 * 2**20
 
 
-def use_one_pair_per_block(num_pairs: int, num_experts: int) -> bool:
+def use_one_pair_per_block(num_pairs: int, num_experts: int,
+                           experts_bytes: int | None = None) -> bool:
     """Whether T*k pairs run one pair per M block, without `align_pairs` (shapes only).
 
     True for 0 < T*k <= min(64, E). Skipping the alignment saves about a dozen launches
@@ -53,8 +67,16 @@ def use_one_pair_per_block(num_pairs: int, num_experts: int) -> bool:
     side (grid axis 0, the pairs, varies fastest). Beyond E pairs, or past a few dozen, the
     repeats and the 15 idle rows of each 16-row block grow with the batch while the alignment's
     cost stays flat: there the aligned path wins.
+
+    Also true for up to 64 pairs over more than E when all experts together (`experts_bytes`,
+    every expert's gate_up and down as stored) fit in L2 with room to spare: the repeated reads
+    then all come from L2 and cost a few microseconds, less than the alignment. That is a small
+    model's speculative verify step (1 + k tokens a request, k pairs each, over few experts).
     """
-    return 0 < num_pairs <= min(ONE_PAIR_PER_BLOCK_MAX_PAIRS, num_experts)
+    if not 0 < num_pairs <= ONE_PAIR_PER_BLOCK_MAX_PAIRS:
+        return False
+    return num_pairs <= num_experts or (experts_bytes is not None
+                                        and experts_bytes <= L2_RESIDENT_EXPERT_BYTES)
 
 
 def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
@@ -110,12 +132,15 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_ptr, w_ptr, scales_ptr, row_factor_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, top_k,
-    stride_xt, stride_xl, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    stride_xt, stride_xl, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_re, stride_rn, stride_hm, stride_hn,
     LATENT: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
+    FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
 
@@ -123,6 +148,9 @@ def _gemm1_swiglu_kernel(
     let the compiler drop the K masks when the widths are multiples of the tiles.
     ONE_PAIR_PER_BLOCK: block_expert_ptr is the flat [T*k] expert_ids, block b holds pair b
     alone (row 0; the other rows are masked) and sorted_pairs_ptr is not read.
+    FP4: w_ptr is the packed experts [E, 2I, L/2] with their scales and (HAS_ROW_FACTOR) row
+    factors (`fp4_weight_tiles`); otherwise w_ptr is the dense [E, 2I, L] and the scale and
+    factor pointers are not read.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -134,27 +162,62 @@ def _gemm1_swiglu_kernel(
     tokens = tl.where(valid, pairs // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
-    ks = tl.arange(0, BLOCK_K)
-
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xl
-    # Weight tiles are loaded as [K, N] views of the row-major [2I, L] expert matrix.
-    gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
-    up_ptrs = gate_ptrs + INTER * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, LATENT, BLOCK_K):
-        k_ok = ks < LATENT - k_start
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-        up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        if WIDEN:
-            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_xl
-        gate_ptrs += BLOCK_K * stride_wk
-        up_ptrs += BLOCK_K * stride_wk
+
+    if FP4:
+        w_ptr += expert * stride_we
+        scales_ptr += expert * stride_se
+        gate_factor = 1.0
+        up_factor = 1.0
+        if HAS_ROW_FACTOR:
+            factor_ptrs = row_factor_ptr + expert * stride_re + cols * stride_rn
+            gate_factor = tl.load(factor_ptrs, mask=col_ok, other=1.0).to(tl.float32)
+            up_factor = tl.load(factor_ptrs + INTER * stride_rn, mask=col_ok,
+                                other=1.0).to(tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        for k_start in range(0, LATENT, BLOCK_K):
+            # The even and odd inputs multiply the low and the high nibbles.
+            a_even, a_odd = even_odd_columns(x_ptr, tokens, valid, k_start + ks, stride_xt,
+                                             stride_xl, LATENT, BLOCK_M, BLOCK_K)
+            gate_even, gate_odd = fp4_weight_tiles(
+                w_ptr, scales_ptr, cols, col_ok, gate_factor, k_start,
+                stride_wn, stride_wk, stride_sn, stride_sk,
+                LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0, HAS_ROW_FACTOR)
+            up_even, up_odd = fp4_weight_tiles(
+                w_ptr, scales_ptr, cols + INTER, col_ok, up_factor, k_start,
+                stride_wn, stride_wk, stride_sn, stride_sk,
+                LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0, HAS_ROW_FACTOR)
+            gate_even, gate_odd = gate_even.to(a_even.dtype), gate_odd.to(a_even.dtype)
+            up_even, up_odd = up_even.to(a_even.dtype), up_odd.to(a_even.dtype)
+            if WIDEN:
+                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+                gate_even, gate_odd = gate_even.to(tl.float32), gate_odd.to(tl.float32)
+                up_even, up_odd = up_even.to(tl.float32), up_odd.to(tl.float32)
+            acc_gate = tl.dot(a_even, gate_even, acc_gate, input_precision=PRECISION)
+            acc_gate = tl.dot(a_odd, gate_odd, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a_even, up_even, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(a_odd, up_odd, acc_up, input_precision=PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xl
+        # Weight tiles are loaded as [K, N] views of the row-major [2I, L] expert matrix.
+        gate_ptrs = (w_ptr + expert * stride_we + cols[None, :] * stride_wn
+                     + ks[:, None] * stride_wk)
+        up_ptrs = gate_ptrs + INTER * stride_wn
+        for k_start in range(0, LATENT, BLOCK_K):
+            k_ok = ks < LATENT - k_start
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            if WIDEN:
+                a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+            acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xl
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
 
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn
@@ -164,16 +227,19 @@ def _gemm1_swiglu_kernel(
 
 @triton.jit
 def _gemm2_kernel(
-    h_ptr, w_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
+    h_ptr, w_ptr, scales_ptr, row_factor_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_re, stride_rn, stride_ym, stride_yn,
     LATENT: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
+    FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr,
 ):
     """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
 
-    ONE_PAIR_PER_BLOCK as in `_gemm1_swiglu_kernel`.
+    ONE_PAIR_PER_BLOCK and FP4 (down packed as [E, L, I/2]) as in `_gemm1_swiglu_kernel`.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -184,22 +250,45 @@ def _gemm2_kernel(
                                      ONE_PAIR_PER_BLOCK)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < LATENT
-    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     # h rows are in block order (sorted, or pair order with one pair per block), so this
     # block's rows are contiguous: no gather here.
-    a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :] * stride_hk
-    b_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, INTER, BLOCK_K):
-        k_ok = ks < INTER - k_start
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if WIDEN:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+    if FP4:
+        w_ptr += expert * stride_we
+        scales_ptr += expert * stride_se
+        factor = 1.0
+        if HAS_ROW_FACTOR:
+            factor = tl.load(row_factor_ptr + expert * stride_re + cols * stride_rn,
+                             mask=col_ok, other=1.0).to(tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        for k_start in range(0, INTER, BLOCK_K):
+            a_even, a_odd = even_odd_columns(h_ptr, rows, valid, k_start + ks, stride_hm,
+                                             stride_hk, INTER, BLOCK_M, BLOCK_K)
+            b_even, b_odd = fp4_weight_tiles(
+                w_ptr, scales_ptr, cols, col_ok, factor, k_start,
+                stride_wn, stride_wk, stride_sn, stride_sk,
+                INTER, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0, HAS_ROW_FACTOR)
+            b_even, b_odd = b_even.to(a_even.dtype), b_odd.to(a_even.dtype)
+            if WIDEN:
+                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+                b_even, b_odd = b_even.to(tl.float32), b_odd.to(tl.float32)
+            acc = tl.dot(a_even, b_even, acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, b_odd, acc, input_precision=PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :] * stride_hk
+        b_ptrs = (w_ptr + expert * stride_we + cols[None, :] * stride_wn
+                  + ks[:, None] * stride_wk)
+        for k_start in range(0, INTER, BLOCK_K):
+            k_ok = ks < INTER - k_start
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if WIDEN:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
 
     # Scattered back to pair order so that the combine finds a token's k rows side by side.
     pairs = tl.where(valid, pairs, 0)
@@ -230,13 +319,55 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+def _weight_args(weight: torch.Tensor | Fp4Weight) -> tuple[list, dict]:
+    """A GEMM kernel's weight arguments: (weight, scales, row factors and their strides),
+    and the format constexprs. A dense weight stands in for the pointers it does not have."""
+    if not isinstance(weight, Fp4Weight):
+        return [weight, weight, weight, *weight.stride(), 0, 0, 0, 0, 0], dict(
+            FP4=False, SCALE_BLOCK=1, SCALE_E8M0=False, HAS_ROW_FACTOR=False)
+    packed, scales, factor = weight.packed, weight.scale_bytes, weight.row_factor
+    has_factor = factor is not None
+    factor_strides = [factor.stride(0), factor.stride(1)] if has_factor else [0, 0]
+    return [packed, scales, factor if has_factor else packed, *packed.stride(),
+            *scales.stride(), *factor_strides], dict(
+        FP4=True, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
+        HAS_ROW_FACTOR=has_factor)
+
+
+def _fit_k(block_k: int, size: int, weight: torch.Tensor | Fp4Weight) -> int:
+    """`_fit` for a K tile; an FP4 weight's is split into even and odd halves of >= 16 and
+    covers whole scale blocks."""
+    if isinstance(weight, Fp4Weight):
+        return max(32, weight.block, _fit(block_k, size))
+    return _fit(block_k, size)
+
+
+def _check_experts(gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
+                   latent: int) -> None:
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    if (tuple(gate_up.shape) != (num_experts, 2 * inter, latent)
+            or tuple(down.shape) != (num_experts, latent, inter)):
+        raise ValueError(f"expert weights must be gate_up [E, 2I, L] and down [E, L, I] with "
+                         f"L = {latent}, got {list(gate_up.shape)} and {list(down.shape)}")
+
+
+def _stored_bytes(weight: torch.Tensor | Fp4Weight) -> int:
+    """Bytes of an expert weight as the kernels read it."""
+    if isinstance(weight, Fp4Weight):
+        return weight.packed.nbytes + weight.scale_bytes.nbytes
+    return weight.nbytes
+
+
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor | None,
+                  gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
+                  norm_weight: torch.Tensor | None,
                   eps: float, one_pair_per_block: bool | None = None,
                   tiles: Tiles | None = None,
                   reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
 
+    gate_up / down: dense [E, 2I, L] / [E, L, I] in the activation dtype, or `Fp4Weight`s of
+    those shapes (NVFP4 or MXFP4, each GEMM reads its weight's format as stored).
     one_pair_per_block: None picks the mode from the number of pairs
     (`use_one_pair_per_block`); True / False force it (tests, benchmarks). tiles: None
     picks them from the shapes (`choose_tiles`); given, they are used (tuning).
@@ -244,12 +375,14 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     num_tokens, latent = x.shape
     top_k = expert_ids.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
+    _check_experts(gate_up, down, latent)
     num_pairs = num_tokens * top_k
     out = torch.empty(num_tokens, latent, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return out
     if one_pair_per_block is None:
-        one_pair_per_block = use_one_pair_per_block(num_pairs, num_experts)
+        one_pair_per_block = use_one_pair_per_block(
+            num_pairs, num_experts, _stored_bytes(gate_up) + _stored_bytes(down))
 
     # The kernels index expert_ids and weights as flat [T*k] arrays. route's outputs already
     # are contiguous, weights float32: then nothing is copied (no torch op runs at all).
@@ -279,15 +412,16 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     # blocks, mostly of one expert, and share the same weight tile through L2.
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = tiles.gemm1
-    block_n, block_k = _fit(block_n, inter), _fit(block_k, latent)
+    block_n, block_k = _fit(block_n, inter), _fit_k(block_k, latent, gate_up)
+    (w, scales, factor, *w_strides), w_format = _weight_args(gate_up)
     _gemm1_swiglu_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, h, sorted_pairs, block_expert,
+        x, w, scales, factor, h, sorted_pairs, block_expert,
         num_pairs, top_k,
-        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        x.stride(0), x.stride(1), *w_strides,
         h.stride(0), h.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        num_warps=warps, num_stages=stages,
+        **w_format, num_warps=warps, num_stages=stages,
     )
 
     # y stays float32: it feeds an RMSNorm and a k-way weighted sum, and rounding it to bf16
@@ -296,15 +430,18 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     # small next to the compute-bound GEMMs when prefilling.
     y = torch.empty(num_pairs, latent, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = tiles.gemm2
-    block_n, block_k = _fit(block_n, latent), _fit(block_k, inter)
+    if isinstance(down, Fp4Weight):
+        block_n = min(block_n, FP4_MAX_GEMM2_BLOCK_N)
+    block_n, block_k = _fit(block_n, latent), _fit_k(block_k, inter, down)
+    (w, scales, factor, *w_strides), w_format = _weight_args(down)
     _gemm2_kernel[(num_blocks, triton.cdiv(latent, block_n))](
-        h, down, y, sorted_pairs, block_expert,
+        h, w, scales, factor, y, sorted_pairs, block_expert,
         num_pairs,
-        h.stride(0), h.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        h.stride(0), h.stride(1), *w_strides,
         y.stride(0), y.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        num_warps=warps, num_stages=stages,
+        **w_format, num_warps=warps, num_stages=stages,
     )
 
     if reduce_pairs is not None:

@@ -3,6 +3,11 @@
 This is the portable path (CPU, tests) and the twin that faster GPU kernels are checked against.
 It handles prefill chunks and decodes in one call: queries are padded per request, each
 request's keys are gathered from its block table, and masks come from positions.
+
+FP8 KV cache: a cache of dtype float8_e4m3fn holds `fp8(k / k_scale)` (and likewise V), with
+`k_scale` / `v_scale` float32 multipliers per kv head, shape [kv_heads] (a per-tensor scale is
+the same value in every entry). Stores divide and saturate at +-448; attention multiplies the
+loaded values back. Caches of any other dtype ignore the scales.
 """
 
 from __future__ import annotations
@@ -11,18 +16,51 @@ import torch
 
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [tokens, kv_heads, head_dim] -> fp8(x / scale), saturated at the format's range."""
+    scaled = x.float() / scale.float()[:, None]
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of cache entries [..., kv_heads, head_dim] stored by `quantize_kv`."""
+    return stored.float() * scale.float()[:, None]
+
+
+def check_kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> bool:
+    """Whether the caches are FP8 (and so need both scales)."""
+    if not is_fp8(cache):
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 KV cache needs `k_scale` and `v_scale`")
+    return True
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Store new keys/values [tokens, kv_heads, head_dim] at their flat cache slots."""
+    if check_kv_scales(k_cache, k_scale, v_scale):
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim]."""
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -38,8 +76,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     query_pos[meta.token_request, column] = meta.positions
 
     # Keys [requests, keys, kv_heads, dim] and the absolute position of each.
-    keys = k_cache[kind.block_tables].flatten(1, 2)
-    values = v_cache[kind.block_tables].flatten(1, 2)
+    keys = k_cache[kind.block_tables].flatten(1, 2).float()
+    values = v_cache[kind.block_tables].flatten(1, 2).float()
+    if fp8:
+        keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
     key_pos = kind.first_block[:, None] * block_size + torch.arange(keys.shape[1],
                                                                     device=q.device)
 
@@ -47,10 +87,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     allowed &= key_pos[:, None, :] < meta.seq_lens[:, None, None]
     if sliding_window is not None:
         allowed &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
-    scores = torch.einsum("rqkgd,rnkd->rkgqn", padded_q.float(), keys.float()) * scale
+    scores = torch.einsum("rqkgd,rnkd->rkgqn", padded_q.float(), keys) * scale
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     # Padding rows see no key; zero them instead of producing NaN.
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
-    out = torch.einsum("rkgqn,rnkd->rqkgd", probs, values.float())
+    out = torch.einsum("rkgqn,rnkd->rqkgd", probs, values)
     out = out.reshape(requests, max_query, num_heads, head_dim)
     return out[meta.token_request, column].to(q.dtype)

@@ -20,6 +20,12 @@ Both kernels address keys by their position relative to the request's first tabl
 it into (table entry, offset in page) and mask by absolute position, so null-block padding and
 stale slots past seq_len are never read. Sliding layers start their key loop at the first key
 inside the window, so blocks that have left the window cost nothing.
+
+An FP8 cache (`fp8(k / k_scale)`, see the twin) is dequantized in the kernels: K/V pages load
+as FP8 (half the bytes of BF16) and widen exactly to the query's dtype for the dots, the K
+scale of the program's kv head multiplies the scores and the V scale the output, which is
+the product with the dequantized K and V in two multiplies instead of one per element. The
+scales are loaded from the device, so captured graphs follow scales set after capture.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import triton
 import triton.language as tl
 
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
+from muse.kernels.paged_attention import check_kv_scales
 
 # Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernels can
 # use exp2, one hardware instruction, instead of exp.
@@ -57,13 +64,14 @@ def _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
 @triton.jit
 def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
-        tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr,
+        tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2, window, table_width, num_heads,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+        FP8: tl.constexpr):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +91,10 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
 
     # The keys the query sees, relative to `base`. The single query sits at seq_len - 1, so
     # causality is just "key < seq_len" and the window is "key >= seq_len - window".
@@ -108,6 +119,7 @@ def _decode_kernel(
         k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr + request * stride_table, rel, valid,
                              d_mask, offs_d, kv_head, stride_kb, stride_ks, stride_kh,
                              stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # exact from FP8; a no-op otherwise
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every iteration has at least one valid key (start < hi), so m_new is finite.
@@ -117,6 +129,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
 
     if NUM_SPLITS == 1:
         # Nothing to merge: normalise here and skip the combine launch.
@@ -177,6 +191,7 @@ def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, tabl
     k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          BLOCK_SIZE)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # exact from FP8; a no-op otherwise
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         key_pos = base + rel
@@ -198,12 +213,13 @@ def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, tabl
 @triton.jit
 def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, first_block_ptr, seq_lens_ptr,
-        query_start_ptr, scale_log2, window, table_width,
+        query_start_ptr, k_scale_ptr, v_scale_ptr, scale_log2, window, table_width,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+        FP8: tl.constexpr):
     request = tl.program_id(0)
     # Causal tiles further down the prompt see more keys: the grid hands them out first, so
     # the short ones fill in at the end instead of the long ones trailing alone.
@@ -229,7 +245,10 @@ def _prefill_kernel(
     q_offsets = (q_row0 + token)[:, None] * stride_qt \
         + (kv_head * GROUP + group_index)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
 
     # Keys this tile can see, relative to `base`: up to its last real query (causal), from
     # the window start of its first query (sliding). Keys in [full_lo, full_hi) are seen by
@@ -269,6 +288,8 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, True, SLIDING, PRECISION)
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_offsets = (q_row0 + token)[:, None] * stride_ot \
         + (kv_head * GROUP + group_index)[:, None] * stride_oh + offs_d[None, :]
@@ -316,7 +337,9 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
             num_splits: int | None = None, block_n: int = _DECODE_BLOCK_N) -> torch.Tensor:
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_heads, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
     table_width = kind.block_tables.shape[1]
@@ -332,6 +355,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_kernel[(num_requests, num_kv_heads, splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         tables, kind.first_block, meta.seq_lens, meta.query_start,
+        k_scale if fp8 else out, v_scale if fp8 else out,
         scale * _LOG2E, sliding_window or 0, table_width, num_heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), tables.stride(0),
@@ -339,7 +363,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # The group's heads are the M rows of tl.dot, padded to its 16-row minimum.
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_SIZE=meta.block_size, NUM_SPLITS=splits, SLIDING=sliding_window is not None,
-        PRECISION=_precision(k_cache.dtype),
+        PRECISION=_precision(q.dtype), FP8=fp8,
         # Decode is a stream of K/V: 4 warps cover a 16 x 64 tile, and a second stage lets
         # the next pages load while this one is reduced.
         num_warps=4, num_stages=2)
@@ -353,11 +377,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              block_m: int | None = None, block_n: int | None = None,
              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     _, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
-    wide = k_cache.element_size() >= 4
+    wide = q.element_size() >= 4
     # 16-bit inputs: 128 query rows x 128 keys, 8 warps, 3 stages, measured on the H200
     # (`benchmarks/tune_kernels.py`: 26-28% faster than 128 x 64 with 2 stages for an 8K
     # chunk after 0 or 24K cached tokens). Three stages of 128-key K and V tiles need 192 KB
@@ -375,12 +401,13 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (num_requests, -(-meta.max_query_len // block_q), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, tables, kind.first_block, meta.seq_lens, meta.query_start,
-        scale * _LOG2E, sliding_window or 0, tables.shape[1],
+        k_scale if fp8 else out, v_scale if fp8 else out, scale * _LOG2E, sliding_window or 0,
+        tables.shape[1],
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=meta.block_size, SLIDING=sliding_window is not None,
-        PRECISION=_precision(k_cache.dtype),
+        PRECISION=_precision(q.dtype), FP8=fp8,
         # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
         # and the probabilities. The stages overlap the next K/V pages with this tile's math.
         num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages)
@@ -389,8 +416,10 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
-                           scale: float) -> torch.Tensor:
-    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim].
+                           scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim];
+    an FP8 cache with float32 scales [kv_heads] (see the twin).
 
     Launches only: no host sync and no value-dependent shapes, so decode steps can be
     captured in a CUDA graph.
@@ -400,10 +429,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(2) != 1:
         q = q.contiguous()
     if meta.max_query_len == 1:
-        return _decode(q, k_cache, v_cache, meta, kind, sliding_window, scale)
+        return _decode(q, k_cache, v_cache, meta, kind, sliding_window, scale, k_scale,
+                       v_scale)
     if meta.max_query_len <= SHORT_QUERY_LEN:
-        return _decode(q, k_cache, v_cache, *_per_token(meta, kind), sliding_window, scale)
-    return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale)
+        return _decode(q, k_cache, v_cache, *_per_token(meta, kind), sliding_window, scale,
+                       k_scale, v_scale)
+    return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale, k_scale, v_scale)
 
 
 # Steps whose requests bring at most this many queries (speculative verification: 1 + k)

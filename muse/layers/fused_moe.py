@@ -5,6 +5,8 @@
 Parameters (names and layout of the checkpoint's `mlp.experts.*`, gate rows before up rows):
 `gate_up_proj` [E_local, 2 * I_local, L], `down_proj` [E_local, L, I_local] (created by the
 quant method) and `norm_weight` [E_local, L] (each expert's RMSNorm, when the model has them).
+A checkpoint that interleaves gate and up rows (gpt-oss: row 2i gate i, row 2i + 1 up i) is
+read into the same order through parameters tagged `interleaved`.
 
 Two ways to shard, chosen by the parallel config:
 
@@ -132,9 +134,10 @@ class FusedMoE(nn.Module):
         """Load this rank's part of a checkpoint tensor into `param`.
 
         expert_id None: `loaded` is the stacked tensor of all experts ([E, 2I, L] for
-        `gate_up_proj`, gate rows first; [E, L, I] for `down_proj`; [E, L] for
-        `norm_weight`), shard_id None. expert_id e: one expert's tensor, with shard_id "gate"
-        or "up" ([I, L]) or "down" ([L, I]); experts another EP rank holds are skipped.
+        `gate_up_proj`, gate rows first, or alternating gate and up rows for a parameter
+        tagged `interleaved`; [E, L, I] for `down_proj`; [E, L] for `norm_weight`), shard_id
+        None. expert_id e: one expert's tensor, with shard_id "gate" or "up" ([I, L]) or
+        "down" ([L, I]); experts another EP rank holds are skipped.
         """
         name = self._name(param)
         source = LazySlice.of(loaded)
@@ -181,6 +184,9 @@ class FusedMoE(nn.Module):
             copy_into(target, source, name)
             return
         dim += expert_dims - 1
+        if shard_id is None and getattr(param, "interleaved", False):
+            self._load_interleaved(target, source, dim, name)
+            return
         if shard_id is None:
             # A stacked gate_up: gate half then up half along the intermediate dimension.
             half = source.shape[dim] // 2
@@ -197,6 +203,22 @@ class FusedMoE(nn.Module):
         width = target.shape[dim] // num_parts
         copy_into(target.narrow(dim, index * width, width),
                   source.narrow(dim, self.tp_rank * width, width), name)
+
+    def _load_interleaved(self, target: torch.Tensor, source: LazySlice, dim: int,
+                          name: str) -> None:
+        """A stacked gate_up whose rows alternate along `dim` (row 2i gate feature i, row
+        2i + 1 up feature i, as gpt-oss stores them) into gate rows then up rows. This rank's
+        features [r * w, (r + 1) * w) are the contiguous source rows [2 r w, 2 (r + 1) w)."""
+        width = target.shape[dim] // 2
+        if source.shape[dim] != 2 * width * self.tp_size:
+            raise ValueError(f"{name}: the checkpoint's interleaved gate/up has "
+                             f"{source.shape[dim]} rows along dimension {dim}; this layer "
+                             f"needs {2 * width * self.tp_size}")
+        rows = source.narrow(dim, 2 * self.tp_rank * width, 2 * width).read()
+        pairs = rows.unflatten(dim, (width, 2))
+        for index in range(2):
+            copy_into(target.narrow(dim, index * width, width), pairs.select(dim + 1, index),
+                      name)
 
     def _name(self, param: nn.Parameter) -> str:
         name = next((key for key, value in self._parameters.items() if value is param), "?")

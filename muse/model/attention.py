@@ -6,6 +6,12 @@ back by `o_proj`, a `RowParallelLinear`. With prefill context parallelism each r
 its own slice of the step's tokens, and the slices' K/V are all-gathered before the cache
 write (see `ContextParallelMetadata`). The kernels come from the attention backend chosen
 when the model was built.
+
+FP8 KV cache: `k_scale` / `v_scale` are float32 device buffers of one entry per kv head this
+rank holds (a per-tensor scale fills them all), passed to the kernels with every call, which
+use them only when the cache is FP8. They come from the checkpoint (`load_kv_scale`), from the
+first step's K/V (`calculate_kv_scales`), or stay 1.0. Being buffers that only change in
+place, a CUDA graph captured before they are set reads their later values.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ from muse.kernels.backends import AttentionBackend
 from muse.layers.linear import QKVParallelLinear, RowParallelLinear
 from muse.layers.quantization import QuantizationConfig
 from muse.layers.norm import RMSNorm
+
+# `--calculate-kv-scales`: scale = amax / divisor over the first step's K (V), as vLLM computes
+# them (its K_SCALE_CONSTANT / V_SCALE_CONSTANT). Below FP8's 448, so later tokens up to 2.2x
+# (K) and 4.5x (V) that step's largest value still fit: the scales are fixed afterwards.
+K_SCALE_DIVISOR = 200.0
+V_SCALE_DIVISOR = 100.0
 
 
 class EngineAttention(nn.Module):
@@ -51,6 +63,37 @@ class EngineAttention(nn.Module):
                                   f"{prefix}.k_norm")
         else:
             self.q_norm = self.k_norm = None
+        # Not parameters: a checkpoint without scales is complete (they stay 1.0).
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads, dtype=torch.float32),
+                             persistent=False)
+        # Set for one step by `EngineModel.calculate_kv_scales_on_next_step`.
+        self.calculate_kv_scales = False
+
+    def load_kv_scale(self, name: str, loaded: torch.Tensor) -> None:
+        """`name` "k_scale" or "v_scale": a checkpoint scale, one value (per tensor) or one per
+        kv head of the model ([num_key_value_heads]; this rank takes its heads')."""
+        target = {"k_scale": self.k_scale, "v_scale": self.v_scale}[name]
+        values = loaded.detach().float().flatten()
+        qkv = self.qkv_proj
+        if values.numel() == qkv.total_num_kv_heads and values.numel() > 1:
+            first = qkv.tp_rank // qkv.num_kv_head_replicas * self.num_kv_heads
+            values = values[first:first + self.num_kv_heads]
+        elif values.numel() != 1:
+            raise ValueError(f"a {name} of shape {tuple(loaded.shape)}: expected one value or "
+                             f"one per kv head ({qkv.total_num_kv_heads})")
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"{name} must be positive and finite, got {values.tolist()}")
+        target.copy_(values.expand_as(target))
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K/V amax sets the scales, on the device (no host sync). A K or V of
+        zeros keeps 1.0."""
+        for target, values, divisor in ((self.k_scale, k, K_SCALE_DIVISOR),
+                                        (self.v_scale, v, V_SCALE_DIVISOR)):
+            amax = values.abs().amax().float()
+            target.copy_(torch.where(amax > 0, amax / divisor, 1.0).expand_as(target))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -69,7 +112,9 @@ class EngineAttention(nn.Module):
             k = group.all_gather_rows(k, context.num_tokens)
             v = group.all_gather_rows(v, context.num_tokens)
             slots = context.slot_mappings[self.layer_type]
-        self.backend.write_kv(k_cache, v_cache, k, v, slots)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v)
+        self.backend.write_kv(k_cache, v_cache, k, v, slots, self.k_scale, self.v_scale)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, kind, self.sliding_window,
-                                           self.scale)
+                                           self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -119,6 +119,19 @@ class EngineModel(nn.Module):
         # drafter's context rows; inside the CUDA graphs too).
         self.capture_layers: tuple[int, ...] = ()
         self.context_writer: Callable[[torch.Tensor, BatchMetadata], None] | None = None
+        # `--calculate-kv-scales`: the next forward sets every layer's FP8 KV scales.
+        self.kv_scales_pending = False
+
+    def calculate_kv_scales_on_next_step(self) -> None:
+        """The next forward's K/V set the FP8 KV scales of every layer, which stay fixed
+        after it. Call it once the dummy runs (memory profile, graph capture) are done; that
+        forward must run eagerly, as a captured graph would not compute them."""
+        self._set_kv_scale_calculation(True)
+
+    def _set_kv_scale_calculation(self, on: bool) -> None:
+        self.kv_scales_pending = on
+        for layer in self.model.layers.values():
+            layer.self_attn.calculate_kv_scales = on
 
     @property
     def num_kv_heads(self) -> int:
@@ -177,6 +190,8 @@ class EngineModel(nn.Module):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
             if int(index) in self.capture_layers:
                 captured.append(x + residual)  # the layer's output, as the reference's
+        if self.kv_scales_pending:
+            self._set_kv_scale_calculation(False)
         if self.context_writer is not None:
             self.context_writer(torch.cat(captured, dim=-1), meta)
         if not self.is_last_stage:

@@ -20,6 +20,7 @@ from torch import nn
 from muse.checkpoint.layout import CheckpointError, format_names
 from muse.checkpoint.reader import CheckpointReader
 from muse.layers.fused_moe import per_expert_target
+from muse.layers.lazy_slice import LazySlice
 from muse.layers.quantization import QUANTIZED_LEAVES, process_weights_after_loading
 
 # Checkpoint projection -> (fused engine parameter, its part), as the layers name them.
@@ -29,6 +30,11 @@ FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
 _PROJECTION = re.compile(r"^(?P<owner>.+)\.(?P<projection>[a-z_]+)\.(?P<leaf>"
                          + "|".join(("bias",) + QUANTIZED_LEAVES) + ")$")
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<rest>\d+\..+)$")
+# FP8 KV-cache scales: on the attention module (compressed-tensors, vLLM) or on the k / v
+# projection (ModelOpt). A query scale is accepted and unused: queries stay in the model's
+# dtype.
+_KV_SCALE = re.compile(r"^(?P<attention>.+\.self_attn)\.(?:(?P<leaf>[kv]_scale)|"
+                       r"k_proj\.(?P<k>k_scale)|v_proj\.(?P<v>v_scale)|(?:q_proj\.)?q_scale)$")
 
 
 def route(name: str) -> tuple[str, dict[str, Any]]:
@@ -70,6 +76,8 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
         held = getattr(model, "checkpoint_target", lambda n: n)(name)
         if held is None:
             continue  # another pipeline stage's tensor
+        if _load_kv_scale(model, name, held, loaded, where):
+            continue
         target, arguments = route(held)
         param = params.get(target)
         if param is None:
@@ -95,6 +103,27 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
     if problems:
         raise CheckpointError(f"{where} does not fit the model: " + "; ".join(problems))
     process_weights_after_loading(model)
+
+
+def _load_kv_scale(model: nn.Module, name: str, held: str, loaded: Any, where: str) -> bool:
+    """Load checkpoint tensor `name` (`held` on this rank) into its attention layer if it is
+    a KV-cache scale the model has a place for; whether it was."""
+    match = _KV_SCALE.match(held)
+    if match is None:
+        return False
+    try:
+        attention = model.get_submodule(match["attention"])
+    except AttributeError:
+        return False
+    if not hasattr(attention, "load_kv_scale"):
+        return False
+    leaf = match["leaf"] or match["k"] or match["v"]
+    if leaf is not None:
+        try:
+            attention.load_kv_scale(leaf, LazySlice.of(loaded).read())
+        except ValueError as error:
+            raise CheckpointError(f"{where}: cannot load `{name}`: {error}") from None
+    return True
 
 
 def _is_tied_head(model: nn.Module, name: str) -> bool:

@@ -1,10 +1,11 @@
 """Which quantization a checkpoint uses, and which of its layers it covers.
 
 The layout comes from `config.json`'s `quantization_config` (compressed-tensors, Hugging
-Face's `fp8`, ModelOpt's newer exports) or from ModelOpt's `hf_quant_config.json`. Which
-layers are quantized comes from the checkpoint itself: a layer is quantized when its tensors
-carry the layout's scale. That honours every tool's ignore / exclude list (those layers are
-stored in BF16, without scales) and refuses a fused layer whose parts disagree.
+Face's `fp8`, gpt-oss's `mxfp4`, ModelOpt's newer exports) or from ModelOpt's
+`hf_quant_config.json`. Which layers are quantized comes from the checkpoint itself: a layer
+is quantized when its tensors carry the layout's scale. That honours every tool's ignore /
+exclude list (`ignore`, `exclude_modules`, `modules_to_not_convert`: those layers are stored
+in BF16, without scales) and refuses a fused layer whose parts disagree.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from muse.layers.quantization import (FusedMoEMethodBase, LinearMethodBase, Quan
                                       QuantMethod)
 from muse.model.loader import FUSED_PARTS
 from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod, Fp8Scheme
+from muse.quantization.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
 from muse.quantization.nvfp4 import Nvfp4Layout, Nvfp4LinearMethod, Nvfp4MoEMethod
 
 # Engine layers that fuse several checkpoint projections, and those projections.
@@ -68,6 +70,42 @@ class QuantizedCheckpoint(QuantizationConfig):
         return f"{self.source} ({len(self.quantized_modules)} modules)"
 
 
+class GptOssMxfp4Checkpoint(QuantizationConfig):
+    """gpt-oss's MXFP4 (`quant_method: "mxfp4"`): stacked experts stored as
+    `experts.{gate_up,down}_proj_blocks` and `..._scales`; every other layer (attention, the
+    router, the experts named in `modules_to_not_convert`) is stored unquantized."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, tensor_names: set[str]) -> None:
+        self.tensor_names = tensor_names
+        self.quantized = {name.removesuffix(".gate_up_proj_blocks") for name in tensor_names
+                          if name.endswith(".gate_up_proj_blocks")}
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
+        if not isinstance(layer, FusedMoE):
+            return None
+        wanted = [f"{prefix}.{projection}_{leaf}" for projection in self.PROJECTIONS
+                  for leaf in ("blocks", "scales")]
+        present = [name for name in wanted if name in self.tensor_names]
+        if not present:
+            return None  # left unquantized (modules_to_not_convert)
+        if len(present) != len(wanted):
+            missing = sorted(set(wanted) - set(present))
+            raise CheckpointError(f"`{prefix}`: the MXFP4 experts lack {', '.join(missing)}; "
+                                  "gpt-oss's layout has blocks and scales for gate_up_proj "
+                                  "and down_proj")
+        biases = [f"{prefix}.{projection}_bias" in self.tensor_names
+                  for projection in self.PROJECTIONS]
+        if any(biases) and not all(biases):
+            raise CheckpointError(f"`{prefix}` has a bias for one of gate_up_proj and "
+                                  "down_proj but not the other")
+        return Mxfp4MoEMethod("gpt-oss", expert_bias=all(biases))
+
+    def __repr__(self) -> str:
+        return f"gpt-oss MXFP4 experts ({len(self.quantized)} layers)"
+
+
 def read_quantization_json(directory: Path) -> dict[str, Any] | None:
     """The checkpoint's quantization settings, with `quant_method` set; None if it has none."""
     config_path, modelopt_path = directory / "config.json", directory / "hf_quant_config.json"
@@ -95,32 +133,53 @@ def _nvfp4(layout: Nvfp4Layout, source: str) -> Layout:
             f"{source} NVFP4" + (" (W4A4 scales kept)" if layout.static_input_scale else ""))
 
 
+def _mxfp4(source: str) -> Layout:
+    return (Mxfp4LinearMethod, lambda: Mxfp4MoEMethod("compressed-tensors"), "weight_packed",
+            f"{source} MXFP4")
+
+
+def _static_activations(activations: dict[str, Any]) -> bool:
+    """Whether a config group stores activation scales: `dynamic: false`, or NVFP4's
+    `dynamic: "local"` (per-block scales computed at run time from a stored global scale)."""
+    return bool(activations) and activations.get("dynamic", True) in (False, "local")
+
+
 def _compressed_tensors_layout(settings: dict[str, Any]) -> Layout:
     layout = settings.get("format")
     schemes = set()
     for name, group in settings.get("config_groups", {}).items():
         weights = group.get("weights") or {}
         activations = group.get("input_activations") or {}
-        static = bool(activations) and not activations.get("dynamic", True)
+        static = _static_activations(activations)
         kind = (weights.get("type"), weights.get("num_bits"))
+        group_size, strategy = weights.get("group_size"), weights.get("strategy")
         if kind == ("float", 8):
             block = weights.get("block_structure")
-            schemes.add(("fp8", weights.get("strategy"), tuple(block) if block else None,
-                         static))
-        elif kind == ("float", 4) and weights.get("group_size") == 16 \
-                and weights.get("strategy") == "tensor_group":
+            schemes.add(("fp8", strategy, tuple(block) if block else None, static))
+        elif kind == ("float", 4) and group_size == 16 and strategy == "tensor_group":
             schemes.add(("nvfp4", None, None, static))
+        elif kind == ("float", 4) and group_size == 32 and strategy == "group" \
+                and weights.get("scale_dtype") in (None, "torch.uint8", "uint8"):
+            if static:
+                raise CheckpointError(f"compressed-tensors group `{name}`: MXFP4 weights with "
+                                      "static activation scales are not read; muse reads "
+                                      "MXFP4 weight-only (MXFP4A16) or with dynamic "
+                                      "activations")
+            schemes.add(("mxfp4", None, None, False))
         else:
             raise CheckpointError(f"compressed-tensors group `{name}` ({layout}) has "
                                   f"{weights.get('num_bits')}-bit {weights.get('type')} "
-                                  f"weights ({weights.get('strategy')}); muse reads FP8 and "
-                                  "NVFP4 (4-bit float, groups of 16) weights so far")
+                                  f"weights ({strategy}, groups of {group_size}); muse reads "
+                                  "FP8, NVFP4 (4-bit float, groups of 16) and MXFP4 (4-bit "
+                                  "float, groups of 32, E8M0 scales) weights")
     if len(schemes) != 1:
         raise CheckpointError(f"compressed-tensors config with {len(schemes)} different weight "
                               "schemes; muse reads one per checkpoint")
     kind, strategy, block, static = schemes.pop()
     if kind == "nvfp4":
         return _nvfp4(Nvfp4Layout("compressed-tensors", static), "compressed-tensors")
+    if kind == "mxfp4":
+        return _mxfp4("compressed-tensors")
     return _fp8(Fp8Scheme(strategy, block, "weight_scale", static), "compressed-tensors")
 
 
@@ -147,8 +206,8 @@ def layout_of(settings: dict[str, Any]) -> Layout:
         raise CheckpointError(f"ModelOpt quant_algo {algorithm!r}: muse reads FP8 and NVFP4 "
                               "so far")
     raise CheckpointError(f"quantization method {method!r} is not supported; muse reads "
-                          "compressed-tensors (FP8, NVFP4), Hugging Face fp8 and ModelOpt "
-                          "(FP8, NVFP4)")
+                          "compressed-tensors (FP8, NVFP4, MXFP4), Hugging Face fp8, gpt-oss "
+                          "mxfp4 and ModelOpt (FP8, NVFP4)")
 
 
 def load_quantization_config(directory: str | Path, tensor_names: Iterable[str]
@@ -156,8 +215,14 @@ def load_quantization_config(directory: str | Path, tensor_names: Iterable[str]
     """The quantization of the checkpoint in `directory` (None: unquantized), given the names
     of its tensors."""
     settings = read_quantization_json(Path(directory))
-    if settings is None:
-        return None
+    return None if settings is None else quantization_of(settings, tensor_names)
+
+
+def quantization_of(settings: dict[str, Any], tensor_names: Iterable[str]) -> QuantizationConfig:
+    """The quantization that `settings` (a `quantization_config`) describes, over tensors of
+    these names."""
+    if settings.get("quant_method") == "mxfp4":
+        return GptOssMxfp4Checkpoint(set(tensor_names))
     linear, moe, marker, source = layout_of(settings)
     suffix = "." + marker
     quantized = {name[:-len(suffix)] for name in tensor_names if name.endswith(suffix)}

@@ -10,21 +10,46 @@ scale a float32 multiplier of the shape its strategy gives:
 | `block` | `[ceil(out / bo), ceil(in / bi)]` (`weight_scale`, or DeepSeek's `weight_scale_inv`, a multiplier despite its name) | compressed-tensors, HF `fp8` |
 
 A fused q/k/v or gate/up layer keeps each part's per-tensor scale (one entry per part), so no
-part is requantized. Static activation scales (`input_scale`) are loaded and kept; the GEMM
-here is weight-only (activations stay in the model's dtype): it dequantizes the weight and
-multiplies, the exact numerics of the dequantized-BF16 reference.
+part is requantized.
+
+How a linear runs is decided once, in `process_weights_after_loading`, from the device, the
+shapes and `QuantOptions` (`layer.fp8_path`):
+
+- `fp8-gemm` (W8A8 on FP8 tensor cores, `muse.kernels.fp8_gemm`): CUDA with compute
+  capability >= 8.9 whose probe passed, the default there. Activations are quantized per
+  token (dynamic), or with the checkpoint's static `input_scale` (a fused layer's parts: the
+  largest, so no part's calibrated range is clipped); 128 x 128 blocks quantize activations
+  per token and 128 features (DeepSeek's recipe) and take torch's block-scaled `_scaled_mm`.
+  Needs out and in features multiples of 16 (of 128 for blocks); blocks of another size, or
+  blocks with a static input scale, run W8A16.
+- `w8a8-emulated`: the same activation quantization in plain PyTorch (`fp8_linear_torch`),
+  where the FP8 GEMM does not run and `emulate_activations` asks for it.
+- `w8a16` (weight-only; the default on CPU and wherever the FP8 GEMM does not run, and
+  everywhere with `weight_only`): the weight is dequantized to the activation dtype and
+  multiplied, the exact numerics of the dequantized model.
+
+The experts of a fused MoE stay weight-only (W8A16) on every device: the experts kernel
+takes one activation dtype for all experts, and a grouped FP8 GEMM is not written yet.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from muse.kernels.fp8_gemm import (fp8_linear_scaled_mm, fp8_linear_torch, scaled_mm_shapes_ok,
+                                   scaled_mm_supported)
 from muse.layers.quantization import WeightLoader, new_parameter
-from muse.quantization.common import (WeightOnlyLinearMethod, WeightOnlyMoEMethod, expert_param,
-                                      moe_tags, row_scales)
+from muse.quantization.common import (QuantOptions, WeightOnlyLinearMethod, WeightOnlyMoEMethod,
+                                      current_quant_options, expert_param, moe_tags, row_scales)
+
+logger = logging.getLogger("muse")
 
 STRATEGIES = ("tensor", "channel", "block")
+# How an FP8 linear runs (`layer.fp8_path`), see the module docstring.
+FP8_GEMM, W8A8_EMULATED, W8A16 = "fp8-gemm", "w8a8-emulated", "w8a16"
 
 
 class Fp8Scheme:
@@ -66,9 +91,33 @@ def _scale_shape(scheme: Fp8Scheme, out: int, inp: int, parts: int) -> tuple[int
     return (-(-out // scheme.block[0]), -(-inp // scheme.block[1]))
 
 
+def choose_path(scheme: Fp8Scheme, options: QuantOptions, device: torch.device,
+                out_features: int, in_features: int) -> str:
+    """How an FP8 linear with this scheme and shape runs on `device` (see the module
+    docstring)."""
+    if options.weight_only:
+        return W8A16
+    block = scheme.block
+    if block is not None and scheme.static_input_scale:
+        return W8A16  # block scales with static activations: no kernel or recipe takes them
+    if scaled_mm_shapes_ok(out_features, in_features, block) \
+            and scaled_mm_supported(device, block):
+        return FP8_GEMM
+    if options.emulate_activations and (block is None or in_features % block[1] == 0):
+        return W8A8_EMULATED
+    return W8A16
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
 class Fp8LinearMethod(WeightOnlyLinearMethod):
-    def __init__(self, scheme: Fp8Scheme) -> None:
+    """An FP8 linear: W8A8 on FP8 tensor cores, emulated W8A8, or W8A16 (`layer.fp8_path`,
+    chosen after loading). `options` default to the engine's (`current_quant_options()`)."""
+
+    def __init__(self, scheme: Fp8Scheme, options: QuantOptions | None = None) -> None:
         self.scheme = scheme
+        self.options = options if options is not None else current_quant_options()
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -89,6 +138,32 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
         if self.scheme.strategy == "tensor":
             scale = row_scales(scale.data, layer.output_partition_sizes)
         layer.register_buffer("dequant_scale", scale.data, persistent=False)
+        out_features, in_features = layer.weight.shape
+        path = choose_path(self.scheme, self.options, layer.weight.device, out_features,
+                           in_features)
+        layer.fp8_path = path
+        if path == W8A16:
+            return
+        # The GEMM's operands: rowwise scales [out] or the block grid, float32 contiguous.
+        gemm_scale = scale.data.reshape(-1) if self.scheme.block is None else scale.data
+        layer.register_buffer("gemm_weight_scale", gemm_scale.float().contiguous(),
+                              persistent=False)
+        input_scale = layer.input_scale.data.float().max().reshape(1) \
+            if self.scheme.static_input_scale else None
+        layer.register_buffer("gemm_input_scale", input_scale, persistent=False)
+        if (path, repr(self.scheme)) not in _LOGGED:
+            _LOGGED.add((path, repr(self.scheme)))
+            logger.info("FP8 linears (%s) run %s on %s", self.scheme, path,
+                        layer.weight.device)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        path = getattr(layer, "fp8_path", W8A16)
+        if path == W8A16:
+            return super().apply(layer, x, bias)
+        gemm = fp8_linear_scaled_mm if path == FP8_GEMM else fp8_linear_torch
+        return gemm(x, layer.weight, layer.gemm_weight_scale, layer.gemm_input_scale, bias,
+                    self.scheme.block)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         return dequantize(layer.weight, layer.dequant_scale, self.scheme)
@@ -96,7 +171,8 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
 
 class Fp8MoEMethod(WeightOnlyMoEMethod):
     """The experts' gate/up and down projections in FP8, with the per-expert scales of the
-    checkpoint's `experts.{e}.{gate,up,down}_proj.weight_scale` (per-tensor: one per part)."""
+    checkpoint's `experts.{e}.{gate,up,down}_proj.weight_scale` (per-tensor: one per part).
+    Weight-only (W8A16) on every device; static `input_scale`s are loaded and kept."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme

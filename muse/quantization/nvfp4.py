@@ -11,9 +11,19 @@ g`, where the per-tensor factor g is stored two ways:
 | ModelOpt `NVFP4` | `weight` | `weight_scale` | `weight_scale_2`, a multiplier | `input_scale` |
 
 A fused q/k/v or gate/up keeps each part's per-tensor factor (nothing is requantized). The
-GEMM is weight-only (W4A16): the weight is dequantized to the activation dtype and multiplied,
-exactly the dequantized-BF16 model's numerics; static activation scales (W4A4 checkpoints)
-are loaded and kept.
+GEMM is weight-only (W4A16) by default: the W4A16 kernels (`muse.kernels.w4a16`; Triton on
+CUDA, on the CPU their twin, which dequantizes and multiplies) read the packed values and
+scales and form the weight in the activation dtype, exactly the dequantized-BF16 model's
+numerics; that is how engines run W4A4 checkpoints on GPUs without FP4 tensor cores (Hopper).
+
+W4A4 emulation: when the checkpoint has static activation scales (`input_global_scale` /
+`input_scale`) and `QuantOptions.emulate_activations` is set (the engine's
+`quantization_emulate_activations`), activations are quantized to NVFP4 blocks and
+dequantized (`muse.quantization.fp4_activations`) before the W4A16 multiply: the linears'
+inputs, and in the fused MoE each expert's input and its intermediate h, each with its own
+expert's scale (the experts then run the plain PyTorch path, `fused_experts_emulated`, which
+asks the host for expert counts: the engine runs eagerly, without CUDA graphs, when
+emulating). A fused layer uses the largest multiplier of its parts' activation scales.
 """
 
 from __future__ import annotations
@@ -21,20 +31,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from muse.kernels.moe_align import PairReduce
+from muse.kernels.w4a16 import Fp4Weight, unpack_e2m1
 from muse.layers.quantization import WeightLoader, new_parameter
-from muse.quantization.common import (WeightOnlyLinearMethod, WeightOnlyMoEMethod, expert_param,
-                                      moe_tags, row_scales)
-
-BLOCK = 16
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n / 2] -> float32 [..., n], the low nibble the even element."""
-    magnitudes = torch.tensor(E2M1_VALUES, device=packed.device)
-    table = torch.cat([magnitudes, -magnitudes])
-    pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1).long()
-    return table[pairs].flatten(-2)
+from muse.quantization.common import (Fp4LinearMethod, Fp4MoEMethod, QuantOptions,
+                                      current_quant_options, expert_param, moe_tags, row_scales)
+from muse.quantization.fp4_activations import (BLOCK, fake_quantize_nvfp4,
+                                               fused_experts_emulated, global_divisor)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
@@ -73,9 +76,19 @@ def _check_blocks(width: int, what: str) -> None:
         raise ValueError(f"{what}: NVFP4 needs input widths divisible by {BLOCK}, got {width}")
 
 
-class Nvfp4LinearMethod(WeightOnlyLinearMethod):
-    def __init__(self, layout: Nvfp4Layout) -> None:
+def _emulates(layout: Nvfp4Layout, options: QuantOptions | None) -> bool:
+    """W4A4 emulation: asked for, and the checkpoint has static activation scales."""
+    options = options if options is not None else current_quant_options()
+    return options.emulate_activations and layout.static_input_scale
+
+
+class Nvfp4LinearMethod(Fp4LinearMethod):
+    """W4A16, or W4A4 emulation (`self.emulate`) when asked for and the checkpoint has
+    activation scales; `options` default to the engine's (`current_quant_options()`)."""
+
+    def __init__(self, layout: Nvfp4Layout, options: QuantOptions | None = None) -> None:
         self.layout = layout
+        self.emulate = _emulates(layout, options)
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -97,17 +110,31 @@ class Nvfp4LinearMethod(WeightOnlyLinearMethod):
         factor = self.layout.multiplier(getattr(layer, self.layout.factor).data)
         layer.register_buffer("row_factor", row_scales(factor, layer.output_partition_sizes),
                               persistent=False)
+        super().process_weights_after_loading(layer)
+        if self.emulate:
+            layer.register_buffer("input_divisor", global_divisor(
+                getattr(layer, self.layout.input).data, self.layout.factor_is_divisor),
+                persistent=False)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        return dequantize_nvfp4(getattr(layer, self.layout.weight), layer.weight_scale,
-                                layer.row_factor)
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.emulate:
+            x = fake_quantize_nvfp4(x, layer.input_divisor)
+        return super().apply(layer, x, bias)
+
+    def fp4_weight(self, layer: nn.Module) -> Fp4Weight:
+        return Fp4Weight("nvfp4", getattr(layer, self.layout.weight), layer.weight_scale,
+                         layer.row_factor)
 
 
-class Nvfp4MoEMethod(WeightOnlyMoEMethod):
-    """The experts' projections in NVFP4, from `experts.{e}.{gate,up,down}_proj.*`."""
+class Nvfp4MoEMethod(Fp4MoEMethod):
+    """The experts' projections in NVFP4, from `experts.{e}.{gate,up,down}_proj.*`: W4A16
+    through the MoE backend's experts kernel, or W4A4 emulation (`self.emulate`) through
+    `fused_experts_emulated`, each expert's activations with its own scales."""
 
-    def __init__(self, layout: Nvfp4Layout) -> None:
+    def __init__(self, layout: Nvfp4Layout, options: QuantOptions | None = None) -> None:
         self.layout = layout
+        self.emulate = _emulates(layout, options)
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -128,11 +155,31 @@ class Nvfp4MoEMethod(WeightOnlyMoEMethod):
                               torch.float32, weight_loader, **moe_tags(projection,
                                                                       per_part=True))
 
-    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
+    def fp4_weight(self, layer: nn.Module, projection: str) -> Fp4Weight:
         layout = self.layout
         packed = getattr(layer, expert_param(projection, layout.weight))
         factor = layout.multiplier(getattr(layer, expert_param(projection, layout.factor)))
         parts = factor.shape[1]
         rows = row_scales(factor, [packed.shape[1] // parts] * parts)
-        return dequantize_nvfp4(packed, getattr(layer, expert_param(projection, "weight_scale")),
-                                rows)
+        return Fp4Weight("nvfp4", packed,
+                         getattr(layer, expert_param(projection, "weight_scale")), rows)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        if not self.emulate:
+            return
+        for projection in ("gate_up", "down"):
+            stored = getattr(layer, expert_param(projection, self.layout.input)).data
+            layer.register_buffer(f"{projection}_input_divisor", global_divisor(
+                stored, self.layout.factor_is_divisor), persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
+        if not self.emulate:
+            return super().apply(layer, x, topk_weights, topk_ids, reduce_pairs)
+        return fused_experts_emulated(x, topk_weights, topk_ids,
+                                      self.dequantized(layer, "gate_up").to(x.dtype),
+                                      self.dequantized(layer, "down").to(x.dtype),
+                                      layer.norm_weight, layer.eps,
+                                      layer.gate_up_input_divisor, layer.down_input_divisor,
+                                      reduce_pairs=reduce_pairs)

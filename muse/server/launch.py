@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from muse.engine.args import EXECUTOR_BACKENDS, EngineArgs
+from muse.engine.args import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, EngineArgs
+from muse.quantization import ONLINE_FORMATS
 
 logger = logging.getLogger("muse.server")
 ENV_PREFIX = "MUSE_"
@@ -67,6 +68,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--kv-cache-memory-bytes", type=int, default=None,
         help="KV-cache size in bytes, instead of the share left by "
              "--gpu-memory-utilization (default: computed)")
+    add("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="KV-cache storage: auto is the model's dtype; fp8 / fp8_e4m3 store float8 E4M3 "
+             "with per-layer scales, twice the tokens in the same memory (default: "
+             "%(default)s)")
+    add("--calculate-kv-scales", action="store_true",
+        help="with an FP8 KV cache, set its scales from the first step's keys and values "
+             "instead of the checkpoint's k_scale / v_scale or 1.0 (default: off)")
+    add("--quantization", "-q", default=None, choices=list(ONLINE_FORMATS),
+        help="quantize an unquantized model as it loads, as `muse quantize --format` would "
+             "write it (default: as stored)")
     add("--enforce-eager", action="store_true",
         help="run every step eagerly, no CUDA graphs for decode batches (default: off)")
     add("--disable-overlap-schedule", action="store_true",
@@ -173,6 +184,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         overlap_schedule=not args.disable_overlap_schedule,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -34,6 +34,14 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 HIDDEN = 24
 
 
+
+@pytest.fixture(autouse=True)
+def experts_never_l2_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' experts are tiny, so every call of up to 64 pairs would skip the alignment
+    (`use_one_pair_per_block`); here only the pairs-per-expert rule decides, so that small
+    shapes exercise the aligned path too. The L2 rule has its own test."""
+    monkeypatch.setattr(moe_triton, "L2_RESIDENT_EXPERT_BYTES", 0)
+
 def make_moe(num_experts: int, top_k: int, latent: int, inter: int, norm: bool,
              dtype: torch.dtype, seed: int = 0) -> LatentMoE:
     config = TextConfig(hidden_size=HIDDEN, num_experts=num_experts, num_experts_per_tok=top_k,
@@ -283,3 +291,26 @@ def test_cuda_graph_replays_with_new_routing() -> None:
             expected = fused_experts_torch(static["x"], weights, ids, experts.gate_up_proj,
                                            experts.down_proj, experts.norm_weight, experts.eps)
             assert_close(out, expected, torch.bfloat16)
+
+
+def test_small_experts_skip_the_alignment_past_one_pair_per_expert(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More pairs than experts align, unless every expert fits in L2 together (then the
+    repeated reads are cheap), and never past 64 pairs; `fused_experts` counts the experts'
+    bytes as stored."""
+    monkeypatch.setattr(moe_triton, "L2_RESIDENT_EXPERT_BYTES", 16 * 2**20)
+    small, large = 4 * 2**20, 1 << 30
+    assert not use_one_pair_per_block(16, 8)
+    assert use_one_pair_per_block(16, 8, small)
+    assert use_one_pair_per_block(64, 8, small)
+    assert not use_one_pair_per_block(65, 8, small)
+    assert not use_one_pair_per_block(16, 8, large)
+    assert use_one_pair_per_block(8, 8, large)
+    launches = _record_launches(monkeypatch)
+    num_tokens, num_experts, top_k, latent, inter = 4, 8, 4, 32, 48  # 16 pairs, tiny experts
+    x = torch.randn(num_tokens, latent, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = torch.randn(num_tokens, num_experts, device=DEVICE).softmax(-1).topk(top_k)
+    gate_up = torch.randn(num_experts, 2 * inter, latent, device=DEVICE, dtype=torch.bfloat16)
+    down = torch.randn(num_experts, latent, inter, device=DEVICE, dtype=torch.bfloat16)
+    moe_triton.fused_experts(x, weights, ids, gate_up, down, None, 1e-6)
+    assert [flag for _, flag in launches[:2]] == [True, True]  # (numerics: forced-mode tests)

@@ -1,6 +1,7 @@
 """`muse quantize`: the checkpoints it writes are what compressed-tensors writes (FP8, byte
 for byte), load back as their dequantized weights, keep what they were told to ignore, and
-keep the shipped default model's greedy answers."""
+keep the shipped default model's greedy answers (FP8; MXFP4 and NVFP4 W4A4 through the CLI).
+More formats and layouts: test_quantize_formats.py and test_mxfp4.py."""
 
 from __future__ import annotations
 
@@ -116,3 +117,35 @@ def test_the_cli_quantizes_the_shipped_model_and_keeps_its_answers(tmp_path):
     got = [o.outputs[0].token_ids for o in quantized.chat(prompts, params)]
     same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     assert same >= 0.95 * sum(len(w) for w in want)
+
+
+@pytest.mark.parametrize(("form", "layout", "free_share"), [
+    ("mxfp4", "compressed-tensors", 0.6),  # 51 of 72 measured: one reply parts at token 3
+    ("nvfp4", "modelopt", 0.95),  # W4A4 scales from the shipped prompts; 72 of 72 measured
+])
+def test_the_cli_writes_fp4_copies_of_the_shipped_model(tmp_path, form, layout, free_share):
+    """The default model quantized to MXFP4 (compressed-tensors) and NVFP4 with calibrated
+    activation scales (ModelOpt): given the BF16 model's greedy replies to its chat prompts
+    as prompts, the quantized model's greedy choice is the BF16 one at 95% of the reply
+    positions or more (MXFP4 71 of 72 measured, NVFP4 72 of 72); its own free-running replies
+    match the BF16 ones token for token at `free_share` of the positions or more."""
+    out = tmp_path / f"default-{form}"
+    muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", form,
+               "--layout", layout])
+    assert (out / "hf_quant_config.json").is_file() == (layout == "modelopt")
+    prompts = [[{"role": "user", "content": text}] for text in
+               ("What is 23 + 58?", "What is 91 - 47?", "Write one sentence about rivers.")]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLM(str(SHIPPED_CHECKPOINT), device="cpu", kv_cache_memory_bytes=32 * 2**20)
+    quantized = LLM(str(out), device="cpu", kv_cache_memory_bytes=32 * 2**20)
+    want = plain.chat(prompts, params, use_tqdm=False)
+    got = quantized.chat(prompts, params, use_tqdm=False)
+    total = sum(len(w.outputs[0].token_ids) for w in want)
+    same = sum(a == b for w, g in zip(want, got)
+               for a, b in zip(w.outputs[0].token_ids, g.outputs[0].token_ids))
+    forced = quantized.generate([w.prompt_token_ids + w.outputs[0].token_ids for w in want],
+                                SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                use_tqdm=False)
+    agree = sum(entry.rank == 1 for w, f in zip(want, forced)
+                for entry in f.prompt_logprobs[len(w.prompt_token_ids):])
+    assert agree >= 0.95 * total and same >= free_share * total

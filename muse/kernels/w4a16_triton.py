@@ -1,0 +1,234 @@
+"""Triton W4A16 GEMM on FP4 weights (NVFP4, MXFP4): the packed bytes and block scales are
+read and turned into the activation-dtype weight tile in registers. See `muse.kernels.w4a16`
+for the format and the numerics; `fp4_weight_tiles` is shared with the fused experts
+(`muse.kernels.moe_triton`).
+
+Each K step of BLOCK_K inputs reads a [BLOCK_K / block, block / 2, BLOCK_N] tile of packed
+bytes, so a scale broadcasts over its block without any gather, and splits it into two
+[BLOCK_K / 2, BLOCK_N] weight tiles: the even inputs (low nibbles) and the odd ones (high
+nibbles). The activations are read as one contiguous tile and split into the matching even
+and odd columns, and the GEMM is two `tl.dot`s, so the nibbles are never interleaved back into
+input order. The scales are read as bytes: E4M3 bitcast to float8 and widened, E8M0 made a
+float32 exponent field.
+
+E2M1 to float without a table: a nibble's sign bit and its three exponent-mantissa bits are
+moved into the sign and the low exponent / top mantissa bits of a float16, whose value is
+then exactly the E2M1 value times 2^-14 (the E2M1 subnormal 0.5 lands on the float16
+subnormal 2^-15); the 2^14 is folded into the block scale, exactly. The product e2m1 * scale
+is exact in float32, so the tile is rounded once by the row factor and once to the
+activation dtype, as the twin rounds it.
+
+Launches depend only on shapes and a few tensors, and nothing is read back to the host, so a
+decode step that contains the kernel can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from muse.kernels.w4a16 import Fp4Weight
+
+# Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands
+# are widened to float32 first (exact for 16-bit floats, and the accumulation is float32 anyway).
+_WIDEN_DOT = bool(triton.knobs.runtime.interpret)
+
+# 2^14: the float16 made of an E2M1 nibble's bits is its value times 2^-14.
+_E2M1_FOLD = tl.constexpr(16384.0)
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    block_m: int
+    block_n: int
+    block_k: int  # a multiple of the scale block, at least 32 (two dots of K >= 16)
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(num_rows: int, out_features: int, in_features: int,
+                 dtype: torch.dtype = torch.bfloat16) -> LinearTiles:
+    """Tiles for H100/H200-class GPUs from the number of activation rows M.
+
+    Decode (M <= 16): the kernel streams the weight through 16-row blocks (the smallest
+    tl.dot takes), and narrow N tiles spread it over many programs: 32 columns when that
+    gives >= 128 programs (N = 5120: 160), else 16 (N = 2048: 128 programs rather than 64).
+    The warps of a 16-row dot split the columns, and where the tile has too few columns for
+    them they repeat each other's dequantization (in the compiled code 4 warps on a 16 x 16
+    tile dequantize every weight 4 times, 2 warps twice; 1 warp on 16 columns, 2 on 32 and
+    4 on 32 or 64 do not repeat), so the 16-column tile runs one warp, the 32-column one two.
+    Larger M reuses each dequantized tile over more rows. Float32 activations (the precise
+    reference configuration: full-precision dots without tensor cores) take small tiles,
+    which the compiler keeps in registers. Starting points checked for register spills and
+    repeated work in the compiled code (sm_90), not yet timed:
+    `benchmarks/w4a16_gemm.py --sweep-tiles` times them against alternatives.
+    """
+    if dtype == torch.float32:
+        tiles = LinearTiles(16 if num_rows <= 16 else 32, 32, 64, 4, 2)
+    elif num_rows <= 16:
+        wide = triton.cdiv(out_features, 32) >= 128
+        tiles = LinearTiles(16, 32, 256, 2, 4) if wide else LinearTiles(16, 16, 256, 1, 4)
+    elif num_rows <= 32:
+        tiles = LinearTiles(32, 64, 128, 4, 4)
+    elif num_rows <= 64:
+        tiles = LinearTiles(64, 64, 128, 4, 4)
+    else:
+        tiles = LinearTiles(128, 128, 64, 8, 3)
+    block_k = max(32, min(tiles.block_k, triton.next_power_of_2(in_features)))
+    block_n = max(16, min(tiles.block_n, triton.next_power_of_2(out_features)))
+    return LinearTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages)
+
+
+@triton.jit
+def fp4_weight_tiles(packed_ptr, scales_ptr, rows, row_ok, row_factor, k_start,
+                     stride_pn, stride_pk, stride_sn, stride_sk,
+                     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                     HAS_ROW_FACTOR: tl.constexpr):
+    """Inputs k_start .. k_start + BLOCK_K of weight rows `rows` [BLOCK_N], in float32, as two
+    [BLOCK_K / 2, BLOCK_N] tiles: the even inputs and the odd ones.
+
+    packed_ptr / scales_ptr point at the weight's [out, in/2] bytes and [out, in/block]
+    scales (an expert's, for stacked experts); row_factor [BLOCK_N] is used when
+    HAS_ROW_FACTOR. K, a multiple of SCALE_BLOCK, masks whole blocks; rows past the end load
+    zeros. The caller rounds the tiles to its activation dtype.
+    """
+    GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    HALF: tl.constexpr = SCALE_BLOCK // 2  # packed bytes per scale
+    groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
+    mask = (groups < K // SCALE_BLOCK)[:, None] & row_ok[None, :]
+    scale = tl.load(scales_ptr + rows[None, :] * stride_sn + groups[:, None] * stride_sk,
+                    mask=mask, other=0)
+    if SCALE_E8M0:
+        # 2^(s - 127) * 2^14 built as a float32 exponent field, exactly (scales above 2^113,
+        # weights beyond 1e34, would overflow to inf); 255 is NaN.
+        exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
+        folded = (exponent << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
+    else:
+        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+    byte_cols = groups[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
+    packed = tl.load(packed_ptr + rows[None, None, :] * stride_pn + byte_cols * stride_pk,
+                     mask=mask[:, None, :], other=0).to(tl.uint16)
+    even_bits = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+    odd_bits = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+    even = even_bits.to(tl.float16, bitcast=True).to(tl.float32) * scale[:, None, :]
+    odd = odd_bits.to(tl.float16, bitcast=True).to(tl.float32) * scale[:, None, :]
+    if HAS_ROW_FACTOR:
+        even = even * row_factor[None, None, :]
+        odd = odd * row_factor[None, None, :]
+    return (tl.reshape(even, (BLOCK_K // 2, BLOCK_N)),
+            tl.reshape(odd, (BLOCK_K // 2, BLOCK_N)))
+
+
+@triton.jit
+def even_odd_columns(x_ptr, rows, row_ok, ks, stride_xm, stride_xk, K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns ks (BLOCK_K consecutive inputs) of activation rows `rows`, split into the even
+    and the odd ones, [BLOCK_M, BLOCK_K / 2] each. Loaded as one contiguous tile, so the
+    load is vectorised and pipelined like the weight's."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    return tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+
+
+@triton.jit
+def _w4a16_linear_kernel(
+    x_ptr, packed_ptr, scales_ptr, row_factor_ptr, bias_ptr, y_ptr,
+    M, N,
+    stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk, stride_rn,
+    stride_ym, stride_yn,
+    K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for one BLOCK_M x BLOCK_N tile.
+
+    K is a compile-time constant (fixed per layer); M and N are not (M changes every step).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    row_factor = 1.0
+    if HAS_ROW_FACTOR:
+        row_factor = tl.load(row_factor_ptr + cols * stride_rn, mask=col_ok,
+                             other=1.0).to(tl.float32)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        x_even, x_odd = even_odd_columns(x_ptr, rows, row_ok, k_start + ks, stride_xm,
+                                         stride_xk, K, BLOCK_M, BLOCK_K)
+        even, odd = fp4_weight_tiles(packed_ptr, scales_ptr, cols, col_ok, row_factor, k_start,
+                                     stride_pn, stride_pk, stride_sn, stride_sk,
+                                     K, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0,
+                                     HAS_ROW_FACTOR)
+        even = even.to(x_ptr.dtype.element_ty)
+        odd = odd.to(x_ptr.dtype.element_ty)
+        if WIDEN:
+            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            even, odd = even.to(tl.float32), odd.to(tl.float32)
+        acc = tl.dot(x_even, even, acc, input_precision=PRECISION)
+        acc = tl.dot(x_odd, odd, acc, input_precision=PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Float32 activations are the precise configuration: no TF32 in their dots."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def w4a16_linear(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = None,
+                 tiles: LinearTiles | None = None) -> torch.Tensor:
+    """y [..., out] = x [..., in] @ w.T (+ bias), in x's dtype (see `muse.kernels.w4a16`).
+
+    tiles: None picks them from the shapes (`choose_tiles`); given, they are used (tuning).
+    """
+    if weight.packed.dim() != 2:
+        raise ValueError(f"w4a16_linear takes a [out, in] weight, got {list(weight.shape)}")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {in_features}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    x2 = x.reshape(-1, in_features)
+    num_rows = x2.shape[0]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return y
+    y2 = y.view(num_rows, out_features)
+    tiles = tiles or choose_tiles(num_rows, out_features, in_features, x.dtype)
+    if tiles.block_k % weight.block or tiles.block_k < 32:
+        raise ValueError(f"block_k {tiles.block_k} must be a multiple of the scale block "
+                         f"{weight.block} and at least 32")
+    scales = weight.scale_bytes
+    row_factor = weight.row_factor
+    has_row_factor = row_factor is not None
+    if row_factor is None:
+        row_factor = scales  # any pointer; never read
+    has_bias = bias is not None
+    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n))
+    _w4a16_linear_kernel[grid](
+        x2, weight.packed, scales, row_factor, bias if has_bias else y2, y2,
+        num_rows, out_features,
+        x2.stride(0), x2.stride(1), weight.packed.stride(0), weight.packed.stride(1),
+        scales.stride(0), scales.stride(1), row_factor.stride(0),
+        y2.stride(0), y2.stride(1),
+        K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
+        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=has_bias,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PRECISION=dot_precision(x.dtype), WIDEN=_WIDEN_DOT,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return y
