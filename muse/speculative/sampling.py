@@ -23,13 +23,15 @@ from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_process
                                  filtered_probabilities, token_logprobs)
 from muse.engine.sampling_params import SamplingParams
 from muse.engine.transfer import HostCopy, to_device
-from muse.speculative.verification import verify_block, verify_greedy, verify_tokenwise
+from muse.speculative.verification import (accepted_count, verify_block, verify_greedy,
+                                           verify_tokenwise)
 
 
 @dataclass
 class VerifiedDrafts:
     """A verification queued on the device: each request's accepted count t [R] and emitted
-    tokens [R, G + 1] (its t accepted drafts, one more, then -1), on their way to the host.
+    tokens [R, G + 1] (row r's first t + 1: its accepted drafts and one more; the entries
+    after them are not to be read), on their way to the host.
     Until `read` waits for them, the device may take more work that reads them (the next
     step's drafts)."""
 
@@ -79,7 +81,13 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     expanded = [row_i for row, draft in zip(rows, drafts) for row_i in _draft_rows(row, draft)]
     processed = apply_logit_processing(logits, expanded) \
         if any(_processes_logits(row.params) for row in rows) else logits
-    if all(greedy):
+    if all(greedy) and processed is logits:
+        # Plain argmax rows: the drafts kept are those equal to their row's best token, so the
+        # emitted tokens are best[:t + 1] (the entries after them are never read), with no
+        # gather of whole logits rows.
+        outputs = logits.argmax(dim=-1)[index]
+        accepted = accepted_count("token", draft_tokens == outputs[:, :width], num_drafts)
+    elif all(greedy):
         accepted, outputs = verify_greedy(processed[index], draft_tokens, num_drafts)
     else:
         probs = filtered_probabilities(processed,
