@@ -12,9 +12,10 @@ are) and measured:
                       the E experts of each layer) plus the KV of the context;
   throughput_tok_s    --requests random prompts of --prompt-tokens, --output-tokens each (EOS
                       ignored), all submitted at once: output tokens / wall time;
-  kv_tokens           the KV cache's capacity in tokens (global-attention pool), with the
-                      model's dtype and with --kv-cache-dtype fp8 (the second engine is only
-                      built, not timed, unless --time-fp8-kv).
+  kv_tokens           the KV cache's capacity in tokens (global-attention pool; the engines
+                      take a --max-model-len long enough that memory, not the sequences,
+                      bounds it), with the model's dtype and with --kv-cache-dtype fp8 (the
+                      second engine is only built, not timed, unless --time-fp8-kv).
 
     python benchmarks/quantized_speed.py --shape muse-spark-15b-a2b --out quantized.json
 """
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=256, help="throughput requests")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=65536,
+                        help="long enough that --max-num-seqs sequences of it outgrow the KV "
+                             "cache: the pools then hold what memory allows (the capacity)")
     parser.add_argument("--time-fp8-kv", action="store_true",
                         help="also time decoding with the FP8 KV cache")
     args = parser.parse_args(argv)
@@ -87,8 +91,10 @@ def build(args: argparse.Namespace, device, form: str, kv_cache_dtype: str) -> A
     llm, _ = build_muse(
         args.shape, device, args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         quantization=None if form == "bf16" else form, kv_cache_dtype=kv_cache_dtype,
-        max_model_len=max(args.context + args.decode_tokens,
-                          args.prompt_tokens + args.output_tokens) + 16,
+        max_model_len=max(min(args.max_model_len,
+                              text_config(args.shape).max_position_embeddings),
+                          args.context + args.decode_tokens,
+                          args.prompt_tokens + args.output_tokens),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization)
     return llm
@@ -117,6 +123,11 @@ def throughput(llm: Any, args: argparse.Namespace, device, rng) -> float:
 
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True, temperature=0.0)
     vocab = llm.engine.config.vocab_size
+    prompts = [random_prompt(rng, args.prompt_tokens, vocab) for _ in range(args.requests)]
+    # Untimed first: the same prompts' prefill and a few steps at every batch size compile
+    # the kernels' shapes (the first engine of a process would pay for it otherwise).
+    llm.generate(prompts, SamplingParams(max_tokens=min(8, args.output_tokens),
+                                         ignore_eos=True, temperature=0.0), use_tqdm=False)
     prompts = [random_prompt(rng, args.prompt_tokens, vocab) for _ in range(args.requests)]
     outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds

@@ -27,6 +27,7 @@ candidate tiles of the dense kernel (`LinearTiles`) for each case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -180,14 +181,24 @@ def _copies(num_bytes: int, flush_bytes: int) -> int:
     return max(2, min(MAX_COPIES, math.ceil(flush_bytes / num_bytes)))
 
 
-def _sweep(rows: int) -> list:
-    from muse.kernels.w4a16_triton import LinearTiles
+def _sweep(rows: int, shape: tuple[int, int]) -> list:
+    """The candidate tiles at this many rows, each with the split-K `choose_tiles` would give
+    it (and without, where that differs)."""
+    from muse.kernels.w4a16_triton import LinearTiles, split_for
 
     if rows > 64:
-        return [LinearTiles(128, *tile) for tile in SWEEP_LARGE]
-    block_m = max(16, 1 << (rows - 1).bit_length())
-    return [LinearTiles(block_m, *tile)
-            for tile in (SWEEP_DECODE if rows <= 16 else SWEEP_MEDIUM)]
+        candidates = [LinearTiles(128, *tile) for tile in SWEEP_LARGE]
+    else:
+        block_m = max(16, 1 << (rows - 1).bit_length())
+        candidates = [LinearTiles(block_m, *tile)
+                      for tile in (SWEEP_DECODE if rows <= 16 else SWEEP_MEDIUM)]
+    out, inp = shape
+    tiles = []
+    for tile in candidates:
+        programs = math.ceil(rows / tile.block_m) * math.ceil(out / tile.block_n)
+        split = split_for(programs, math.ceil(inp / tile.block_k))
+        tiles += [dataclasses.replace(tile, split_k=split)] + ([tile] if split > 1 else [])
+    return tiles
 
 
 def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Namespace,
@@ -217,7 +228,7 @@ def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Nam
                 str(list(vars(tiles).values())): _timed(
                     [lambda w=w, t=tiles: w4a16_linear(x, w, tiles=t) for w in fp4],
                     args.repeats)
-                for tiles in _sweep(rows)}
+                for tiles in _sweep(rows, shape)}
         del fp4
     return record
 

@@ -47,6 +47,7 @@ class LinearTiles:
     block_k: int  # a multiple of the scale block, at least 32 (two dots of K >= 16)
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs sharing each output tile's K (partial sums added after)
 
 
 def choose_tiles(num_rows: int, out_features: int, in_features: int,
@@ -79,7 +80,27 @@ def choose_tiles(num_rows: int, out_features: int, in_features: int,
         tiles = LinearTiles(128, 128, 64, 8, 3)
     block_k = max(32, min(tiles.block_k, triton.next_power_of_2(in_features)))
     block_n = max(16, min(tiles.block_n, triton.next_power_of_2(out_features)))
-    return LinearTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages)
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(out_features, block_n)
+    split_k = split_for(programs, triton.cdiv(in_features, block_k))
+    return LinearTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages,
+                       split_k)
+
+
+# Programs a decode GEMM wants in flight: a few per SM of an H100/H200 (132 SMs), so that the
+# weight stream has enough loads outstanding to run at memory speed.
+TARGET_PROGRAMS = 1024
+
+
+def split_for(programs: int, k_blocks: int) -> int:
+    """How many programs share each output tile's K (split-K), so that a GEMM of few output
+    tiles (decode: one 16-row block of M, a few hundred N tiles) still fills the GPU; each
+    takes whole BLOCK_K steps. 1 when the tiles alone are enough."""
+    if programs >= TARGET_PROGRAMS:
+        return 1
+    split = min(k_blocks, triton.cdiv(TARGET_PROGRAMS, programs))
+    # Equal whole steps per program, and no program left without one.
+    steps = triton.cdiv(k_blocks, split)
+    return triton.cdiv(k_blocks, steps)
 
 
 @triton.jit
@@ -144,14 +165,18 @@ def _w4a16_linear_kernel(
     K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PER_PROGRAM: tl.constexpr, PARTIAL: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for one BLOCK_M x BLOCK_N tile.
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for one BLOCK_M x BLOCK_N tile, over the
+    K_PER_PROGRAM inputs of this program's K slice (grid axis 2). PARTIAL: the slices' float32
+    sums go to y[slice] (a [split, M, N] buffer; the caller adds them), else y is the result.
 
     K is a compile-time constant (fixed per layer); M and N are not (M changes every step).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,7 +188,8 @@ def _w4a16_linear_kernel(
                              other=1.0).to(tl.float32)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    k_first = pid_k * K_PER_PROGRAM
+    for k_start in range(k_first, k_first + K_PER_PROGRAM, BLOCK_K):
         x_even, x_odd = even_odd_columns(x_ptr, rows, row_ok, k_start + ks, stride_xm,
                                          stride_xk, K, BLOCK_M, BLOCK_K)
         even, odd = fp4_weight_tiles(packed_ptr, scales_ptr, cols, col_ok, row_factor, k_start,
@@ -181,6 +207,8 @@ def _w4a16_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    if PARTIAL:
+        y_ptrs += pid_k * M * N
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -217,18 +245,32 @@ def w4a16_linear(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None =
     has_row_factor = row_factor is not None
     if row_factor is None:
         row_factor = scales  # any pointer; never read
-    has_bias = bias is not None
-    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n))
+    split = tiles.split_k
+    steps = triton.cdiv(in_features, tiles.block_k)
+    if split < 1 or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
+        raise ValueError(f"split_k {split} must share the {steps} K steps with none idle")
+    # Split-K: each program's float32 partial sum of one K slice, added up below (bias too).
+    out = y2 if split == 1 else torch.empty(split, num_rows, out_features,
+                                            dtype=torch.float32, device=x.device)
+    has_bias = bias is not None and split == 1
+    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n),
+            split)
     _w4a16_linear_kernel[grid](
-        x2, weight.packed, scales, row_factor, bias if has_bias else y2, y2,
+        x2, weight.packed, scales, row_factor, bias if has_bias else y2, out,
         num_rows, out_features,
         x2.stride(0), x2.stride(1), weight.packed.stride(0), weight.packed.stride(1),
         scales.stride(0), scales.stride(1), row_factor.stride(0),
-        y2.stride(0), y2.stride(1),
+        out.stride(-2), out.stride(-1),
         K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
         HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=has_bias,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_PER_PROGRAM=triton.cdiv(steps, split) * tiles.block_k, PARTIAL=split > 1,
         PRECISION=dot_precision(x.dtype), WIDEN=_WIDEN_DOT,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if split > 1:
+        total = out.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y2.copy_(total)
     return y

@@ -34,7 +34,7 @@ from muse.kernels.w4a16 import (  # noqa: E402
     w4a16_linear_torch,
     w4a16_linear_triton,
 )
-from muse.kernels.w4a16_triton import LinearTiles, choose_tiles  # noqa: E402
+from muse.kernels.w4a16_triton import LinearTiles, choose_tiles, split_for  # noqa: E402
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
 from muse.quantization.nvfp4 import dequantize_nvfp4  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
@@ -212,6 +212,9 @@ LINEAR_CASES = [
     # (M, N, K, tiles): K a multiple of the scale block but not of BLOCK_K, odd N
     (1, 23, 96, LinearTiles(16, 16, 64, 4, 2)),
     (3, 37, 160, LinearTiles(16, 32, 64, 4, 2)),
+    # Split-K: three K slices of one 32-wide step each, the last past K's end in part.
+    (5, 23, 96, LinearTiles(16, 16, 32, 1, 2, split_k=3)),
+    (2, 19, 160, LinearTiles(16, 16, 64, 1, 2, split_k=3)),
     (17, 19, 96, None),
     (65, 21, 64, None),
 ]
@@ -257,9 +260,15 @@ def test_choose_tiles() -> None:
                 assert tiles.block_k % 32 == 0 and tiles.block_k >= 32
                 assert tiles.block_m >= min(rows, 16) and tiles.block_n >= 16
     # Decode: 160 programs of 32 columns for N = 5120; for N = 2048, 128 of 16 rather than
-    # 64, with one warp (more would repeat each other's dequantization).
-    assert choose_tiles(1, 5120, 2048) == LinearTiles(16, 32, 256, 2, 4)
-    assert choose_tiles(1, 2048, 4096) == LinearTiles(16, 16, 256, 1, 4)
+    # 64, with one warp (more would repeat each other's dequantization); split-K brings them
+    # towards 1024 programs in whole K steps: 8 steps in 4 slices, 16 in 8.
+    assert choose_tiles(1, 5120, 2048) == LinearTiles(16, 32, 256, 2, 4, split_k=4)
+    assert choose_tiles(1, 2048, 4096) == LinearTiles(16, 16, 256, 1, 4, split_k=8)
+    assert choose_tiles(4096, 5120, 2048).split_k == 1  # enough output tiles
+    assert split_for(100, 3) == 3 and split_for(2000, 16) == 1 and split_for(10, 5) == 5
+    with pytest.raises(ValueError, match="split_k"):
+        linear_kernel(torch.zeros(1, 96, device=DEVICE), random_weight("nvfp4", 16, 96),
+                      tiles=LinearTiles(16, 16, 32, 1, 2, split_k=4))
 
 
 def test_fp4_weight_checks() -> None:

@@ -96,4 +96,5 @@ def test_measures_every_case_at_toy_sizes(monkeypatch) -> None:
                              "--flush-bytes", "1", "--sweep-tiles"])
     row = bench.run_dense(bench.dense_cases(bench.get_preset(args.shape).text_config)[1], 1,
                           args.formats, args, device)
-    assert list(row["mxfp4"]["sweep_us"]) == ["[16, 16, 32, 1, 2]", "[16, 32, 64, 2, 2]"]
+    assert list(row["mxfp4"]["sweep_us"]) == [
+        "[16, 16, 32, 1, 2, 2]", "[16, 16, 32, 1, 2, 1]", "[16, 32, 64, 2, 2, 1]"]

@@ -269,7 +269,11 @@ def test_scaled_mm_matches_twin_on_gpu(case):
     got = fp8_linear_scaled_mm(x, weight, scale, static, bias, block)
     want = fp8_linear_torch(x, weight, scale, static, bias, block)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 37, 384)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    # Sums of 512 products as large as the largest output, added in another order, differ by
+    # float32 roundings of that size (about 2^-12 of it with margin), visible where an output
+    # is near zero; a wrong scale layout errs by the outputs' own size.
+    atol = float(want.float().abs().max()) * 2.0 ** -12
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=atol)
 
 
 @needs_fp8_gpu
