@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=65536,
                         help="long enough that --max-num-seqs sequences of it outgrow the KV "
                              "cache: the pools then hold what memory allows (the capacity)")
+    parser.add_argument("--no-fp8-kv", action="store_true",
+                        help="skip the second engine (the FP8 KV cache's capacity)")
     parser.add_argument("--time-fp8-kv", action="store_true",
                         help="also time decoding with the FP8 KV cache")
     args = parser.parse_args(argv)
@@ -152,6 +154,8 @@ def measure(args: argparse.Namespace, device, form: str) -> dict[str, Any]:
     row["throughput_tok_s"] = throughput(llm, args, device, rng)
     llm = None
     free_memory(device)
+    if args.no_fp8_kv:
+        return row
     llm = build(args, device, form, "fp8")
     row["kv_tokens_fp8"] = kv_tokens(llm)
     if args.time_fp8_kv:
@@ -173,7 +177,7 @@ def report(record: dict[str, Any]) -> str:
         cells.append([r["format"], f"{r['weight_bytes'] / 2**30:.2f}", fmt(r["decode_tok_s"]),
                       speedup, f"{100 * r['decode_fraction_of_roofline']:.0f}%",
                       fmt(r["throughput_tok_s"]), f"{r['kv_tokens']:,}",
-                      f"{r['kv_tokens_fp8']:,}"])
+                      f"{r['kv_tokens_fp8']:,}" if "kv_tokens_fp8" in r else "-"])
     requests = record["config"]["requests"]
     return table(["format", "weights GiB", "decode tok/s", "vs bf16", "of roofline",
                   f"{requests}-req tok/s", "KV tokens", "KV tokens fp8"], cells)

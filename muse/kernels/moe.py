@@ -37,6 +37,11 @@ or MXFP4, packed [E, 2I, L/2] and [E, L, I/2] with their block scales and per-ro
 The Triton GEMMs then read the packed bytes and scales and form each weight tile in the
 activation dtype in registers (a compile-time switch of the same kernels, so both modes
 above work unchanged); the twin dequantizes the weights and runs as for dense ones.
+
+FP8 experts (W8A16) likewise: `muse.kernels.w8a16.Fp8Weight`s (float8_e4m3fn [E, 2I, L] and
+[E, L, I] with one float32 scale per output row). The GEMMs read the FP8 bytes and scale each
+weight tile into the activation dtype inside their K loop; no dequantized copy of the experts
+is made.
 """
 
 from __future__ import annotations
@@ -46,17 +51,22 @@ import torch.nn.functional as F
 
 from muse.kernels.moe_align import PairReduce
 from muse.kernels.w4a16 import Fp4Weight, dense_weight
+from muse.kernels.w8a16 import Fp8Weight
+
+# A stacked-experts weight as both experts paths take it: dense in the activation dtype, FP4 or
+# FP8 (gate_up and down each on its own).
+ExpertWeight = torch.Tensor | Fp4Weight | Fp8Weight
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                        gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
+                        gate_up: ExpertWeight, down: ExpertWeight,
                         norm_weight: torch.Tensor | None, eps: float,
                         reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
 
     It rounds where the kernels round: h in the activation dtype, everything after the second
     matmul in float32. It asks the host for the per-expert counts once, so it is not capturable.
-    FP4 experts are dequantized and rounded to the activation dtype first.
+    FP4 and FP8 experts are dequantized and rounded to the activation dtype first.
     """
     gate_up, down = dense_weight(gate_up, x.dtype), dense_weight(down, x.dtype)
     num_tokens, top_k = expert_ids.shape
@@ -85,7 +95,7 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                         gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
+                         gate_up: ExpertWeight, down: ExpertWeight,
                          norm_weight: torch.Tensor | None, eps: float,
                          one_pair_per_block: bool | None = None,
                          reduce_pairs: PairReduce | None = None) -> torch.Tensor:

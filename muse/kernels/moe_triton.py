@@ -19,6 +19,8 @@ Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
 `muse.kernels.w4a16_triton`, the rest of the kernel (block rows, experts, masks) unchanged.
+Or FP8 (`muse.kernels.w8a16.Fp8Weight`): the `FP8` switch keeps the dense loads, of the E4M3
+bytes, and turns each loaded tile into the activation dtype with its rows' scales (`_fp8_tile`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_weight_tiles
+from muse.kernels.w8a16 import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class Tiles:
 DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 
 # GEMM 2's widest prefill tile (256 columns) spills registers once each weight tile is also
-# dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128.
+# dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128. FP8 ones keep
+# the dense tiles: their 256-column GEMM 2 compiles without spills.
 FP4_MAX_GEMM2_BLOCK_N = 128
 
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
@@ -131,6 +136,13 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _fp8_tile(raw, row_scale, DTYPE: tl.constexpr):
+    """A [K, N] tile of E4M3 bytes (N weight rows) times the rows' float32 scales, rounded to
+    DTYPE: one float32 product, then the activation dtype, as the twin rounds."""
+    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[None, :]).to(DTYPE)
+
+
+@triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, w_ptr, scales_ptr, row_factor_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, top_k,
@@ -139,7 +151,7 @@ def _gemm1_swiglu_kernel(
     LATENT: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
-    FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
@@ -149,8 +161,9 @@ def _gemm1_swiglu_kernel(
     ONE_PAIR_PER_BLOCK: block_expert_ptr is the flat [T*k] expert_ids, block b holds pair b
     alone (row 0; the other rows are masked) and sorted_pairs_ptr is not read.
     FP4: w_ptr is the packed experts [E, 2I, L/2] with their scales and (HAS_ROW_FACTOR) row
-    factors (`fp4_weight_tiles`); otherwise w_ptr is the dense [E, 2I, L] and the scale and
-    factor pointers are not read.
+    factors (`fp4_weight_tiles`). FP8: w_ptr is the E4M3 bytes [E, 2I, L], read like a dense
+    weight, and row_factor_ptr their row scales [E, 2I, 1] (HAS_ROW_FACTOR). Otherwise w_ptr is
+    the dense [E, 2I, L] and the scale and factor pointers are not read.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -164,17 +177,17 @@ def _gemm1_swiglu_kernel(
     col_ok = cols < INTER
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate_factor = 1.0
+    up_factor = 1.0
+    if HAS_ROW_FACTOR:
+        factor_ptrs = row_factor_ptr + expert * stride_re + cols * stride_rn
+        gate_factor = tl.load(factor_ptrs, mask=col_ok, other=1.0).to(tl.float32)
+        up_factor = tl.load(factor_ptrs + INTER * stride_rn, mask=col_ok,
+                            other=1.0).to(tl.float32)
 
     if FP4:
         w_ptr += expert * stride_we
         scales_ptr += expert * stride_se
-        gate_factor = 1.0
-        up_factor = 1.0
-        if HAS_ROW_FACTOR:
-            factor_ptrs = row_factor_ptr + expert * stride_re + cols * stride_rn
-            gate_factor = tl.load(factor_ptrs, mask=col_ok, other=1.0).to(tl.float32)
-            up_factor = tl.load(factor_ptrs + INTER * stride_rn, mask=col_ok,
-                                other=1.0).to(tl.float32)
         ks = tl.arange(0, BLOCK_K)
         for k_start in range(0, LATENT, BLOCK_K):
             # The even and odd inputs multiply the low and the high nibbles.
@@ -211,6 +224,9 @@ def _gemm1_swiglu_kernel(
             w_mask = k_ok[:, None] & col_ok[None, :]
             gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            if FP8:
+                gate = _fp8_tile(gate, gate_factor, a.dtype)
+                up = _fp8_tile(up, up_factor, a.dtype)
             if WIDEN:
                 a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
             acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
@@ -234,12 +250,13 @@ def _gemm2_kernel(
     LATENT: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
-    FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr,
 ):
     """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
 
-    ONE_PAIR_PER_BLOCK and FP4 (down packed as [E, L, I/2]) as in `_gemm1_swiglu_kernel`.
+    ONE_PAIR_PER_BLOCK, FP4 (down packed as [E, L, I/2]) and FP8 (down [E, L, I] E4M3 bytes)
+    as in `_gemm1_swiglu_kernel`.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -251,16 +268,16 @@ def _gemm2_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < LATENT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    factor = 1.0
+    if HAS_ROW_FACTOR:
+        factor = tl.load(row_factor_ptr + expert * stride_re + cols * stride_rn,
+                         mask=col_ok, other=1.0).to(tl.float32)
 
     # h rows are in block order (sorted, or pair order with one pair per block), so this
     # block's rows are contiguous: no gather here.
     if FP4:
         w_ptr += expert * stride_we
         scales_ptr += expert * stride_se
-        factor = 1.0
-        if HAS_ROW_FACTOR:
-            factor = tl.load(row_factor_ptr + expert * stride_re + cols * stride_rn,
-                             mask=col_ok, other=1.0).to(tl.float32)
         ks = tl.arange(0, BLOCK_K)
         for k_start in range(0, INTER, BLOCK_K):
             a_even, a_odd = even_odd_columns(h_ptr, rows, valid, k_start + ks, stride_hm,
@@ -284,6 +301,8 @@ def _gemm2_kernel(
             k_ok = ks < INTER - k_start
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8:
+                b = _fp8_tile(b, factor, a.dtype)
             if WIDEN:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -319,22 +338,29 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _weight_args(weight: torch.Tensor | Fp4Weight) -> tuple[list, dict]:
+_DENSE_FORMAT = dict(FP4=False, FP8=False, SCALE_BLOCK=1, SCALE_E8M0=False,
+                     HAS_ROW_FACTOR=False)
+
+
+def _weight_args(weight: ExpertWeight) -> tuple[list, dict]:
     """A GEMM kernel's weight arguments: (weight, scales, row factors and their strides),
-    and the format constexprs. A dense weight stands in for the pointers it does not have."""
+    and the format constexprs. The weight stands in for the pointers its format lacks."""
+    if isinstance(weight, Fp8Weight):
+        data, scale = weight.weight_bytes, weight.row_scale
+        return [data, data, scale, *data.stride(), 0, 0, 0, scale.stride(0),
+                scale.stride(1)], _DENSE_FORMAT | dict(FP8=True, HAS_ROW_FACTOR=True)
     if not isinstance(weight, Fp4Weight):
-        return [weight, weight, weight, *weight.stride(), 0, 0, 0, 0, 0], dict(
-            FP4=False, SCALE_BLOCK=1, SCALE_E8M0=False, HAS_ROW_FACTOR=False)
+        return [weight, weight, weight, *weight.stride(), 0, 0, 0, 0, 0], _DENSE_FORMAT
     packed, scales, factor = weight.packed, weight.scale_bytes, weight.row_factor
     has_factor = factor is not None
     factor_strides = [factor.stride(0), factor.stride(1)] if has_factor else [0, 0]
     return [packed, scales, factor if has_factor else packed, *packed.stride(),
-            *scales.stride(), *factor_strides], dict(
+            *scales.stride(), *factor_strides], _DENSE_FORMAT | dict(
         FP4=True, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
         HAS_ROW_FACTOR=has_factor)
 
 
-def _fit_k(block_k: int, size: int, weight: torch.Tensor | Fp4Weight) -> int:
+def _fit_k(block_k: int, size: int, weight: ExpertWeight) -> int:
     """`_fit` for a K tile; an FP4 weight's is split into even and odd halves of >= 16 and
     covers whole scale blocks."""
     if isinstance(weight, Fp4Weight):
@@ -342,8 +368,7 @@ def _fit_k(block_k: int, size: int, weight: torch.Tensor | Fp4Weight) -> int:
     return _fit(block_k, size)
 
 
-def _check_experts(gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
-                   latent: int) -> None:
+def _check_experts(gate_up: ExpertWeight, down: ExpertWeight, latent: int) -> None:
     num_experts, inter = gate_up.shape[0], down.shape[2]
     if (tuple(gate_up.shape) != (num_experts, 2 * inter, latent)
             or tuple(down.shape) != (num_experts, latent, inter)):
@@ -351,23 +376,26 @@ def _check_experts(gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4We
                          f"L = {latent}, got {list(gate_up.shape)} and {list(down.shape)}")
 
 
-def _stored_bytes(weight: torch.Tensor | Fp4Weight) -> int:
+def _stored_bytes(weight: ExpertWeight) -> int:
     """Bytes of an expert weight as the kernels read it."""
     if isinstance(weight, Fp4Weight):
         return weight.packed.nbytes + weight.scale_bytes.nbytes
+    if isinstance(weight, Fp8Weight):
+        return weight.weight_bytes.nbytes + weight.row_scale.nbytes
     return weight.nbytes
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                  gate_up: torch.Tensor | Fp4Weight, down: torch.Tensor | Fp4Weight,
+                  gate_up: ExpertWeight, down: ExpertWeight,
                   norm_weight: torch.Tensor | None,
                   eps: float, one_pair_per_block: bool | None = None,
                   tiles: Tiles | None = None,
                   reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
 
-    gate_up / down: dense [E, 2I, L] / [E, L, I] in the activation dtype, or `Fp4Weight`s of
-    those shapes (NVFP4 or MXFP4, each GEMM reads its weight's format as stored).
+    gate_up / down: dense [E, 2I, L] / [E, L, I] in the activation dtype, or `Fp4Weight`s
+    (NVFP4, MXFP4) or `Fp8Weight`s of those shapes (each GEMM reads its weight's format as
+    stored).
     one_pair_per_block: None picks the mode from the number of pairs
     (`use_one_pair_per_block`); True / False force it (tests, benchmarks). tiles: None
     picks them from the shapes (`choose_tiles`); given, they are used (tuning).

@@ -52,6 +52,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from muse.kernels.w8a16 import Fp8Weight
+
 Fp4Format = Literal["nvfp4", "mxfp4"]
 
 # Inputs per scale, and the scale dtypes each format accepts.
@@ -150,9 +152,10 @@ def e8m0_to_float32(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(biased == 255, torch.nan, value)
 
 
-def dense_weight(weight: torch.Tensor | Fp4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """A dense weight as is; an FP4 weight dequantized and rounded to `dtype`."""
-    return weight.dequantize().to(dtype) if isinstance(weight, Fp4Weight) else weight
+def dense_weight(weight: torch.Tensor | Fp4Weight | Fp8Weight,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """A dense weight as is; a quantized one (FP4, FP8) dequantized and rounded to `dtype`."""
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize().to(dtype)
 
 
 def w4a16_linear_torch(x: torch.Tensor, weight: Fp4Weight,

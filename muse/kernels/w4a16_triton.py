@@ -55,23 +55,20 @@ def choose_tiles(num_rows: int, out_features: int, in_features: int,
     """Tiles for H100/H200-class GPUs from the number of activation rows M.
 
     Decode (M <= 16): the kernel streams the weight through 16-row blocks (the smallest
-    tl.dot takes), and narrow N tiles spread it over many programs: 32 columns when that
-    gives >= 128 programs (N = 5120: 160), else 16 (N = 2048: 128 programs rather than 64).
-    The warps of a 16-row dot split the columns, and where the tile has too few columns for
-    them they repeat each other's dequantization (in the compiled code 4 warps on a 16 x 16
-    tile dequantize every weight 4 times, 2 warps twice; 1 warp on 16 columns, 2 on 32 and
-    4 on 32 or 64 do not repeat), so the 16-column tile runs one warp, the 32-column one two.
-    Larger M reuses each dequantized tile over more rows. Float32 activations (the precise
-    reference configuration: full-precision dots without tensor cores) take small tiles,
-    which the compiler keeps in registers. Starting points checked for register spills and
-    repeated work in the compiled code (sm_90), not yet timed:
-    `benchmarks/w4a16_gemm.py --sweep-tiles` times them against alternatives.
+    tl.dot takes) in narrow 16 x 128 tiles, one warp each (the warps of a 16-row dot split
+    the columns; on a 16-column tile more warps would repeat each other's dequantization),
+    spread over many programs, split along K where the output tiles are few (`split_for`).
+    That was the fastest of the swept decode tiles on the H200 (12.5-13 us for the 15B
+    shape's qkv_proj and o_proj at M = 1-8; bf16 F.linear 8.5-9.7 us: the FP4 GEMM is not
+    yet faster than bf16 at decode). Larger M reuses each dequantized tile over more rows.
+    Float32 activations (the precise reference configuration: full-precision dots without
+    tensor cores) take small tiles, which the compiler keeps in registers.
+    `benchmarks/w4a16_gemm.py --sweep-tiles` times alternatives.
     """
     if dtype == torch.float32:
         tiles = LinearTiles(16 if num_rows <= 16 else 32, 32, 64, 4, 2)
     elif num_rows <= 16:
-        wide = triton.cdiv(out_features, 32) >= 128
-        tiles = LinearTiles(16, 32, 256, 2, 4) if wide else LinearTiles(16, 16, 256, 1, 4)
+        tiles = LinearTiles(16, 16, 128, 1, 4)
     elif num_rows <= 32:
         tiles = LinearTiles(32, 64, 128, 4, 4)
     elif num_rows <= 64:
@@ -86,16 +83,18 @@ def choose_tiles(num_rows: int, out_features: int, in_features: int,
                        split_k)
 
 
-# Programs a decode GEMM wants in flight: a few per SM of an H100/H200 (132 SMs), so that the
-# weight stream has enough loads outstanding to run at memory speed.
+# Split-K for GEMMs of fewer output tiles than SPLIT_BELOW, up to TARGET_PROGRAMS programs:
+# measured on the H200 (`benchmarks/w4a16_gemm.py --sweep-tiles`, decode tiles 16 x 16 x 128,
+# one warp), o_proj's 128 tiles ran best split 8 ways and qkv_proj's 320 unsplit.
+SPLIT_BELOW = 256
 TARGET_PROGRAMS = 1024
 
 
 def split_for(programs: int, k_blocks: int) -> int:
     """How many programs share each output tile's K (split-K), so that a GEMM of few output
-    tiles (decode: one 16-row block of M, a few hundred N tiles) still fills the GPU; each
-    takes whole BLOCK_K steps. 1 when the tiles alone are enough."""
-    if programs >= TARGET_PROGRAMS:
+    tiles (decode: one 16-row block of M, a hundred-odd N tiles) still has enough weight loads
+    in flight; each takes whole BLOCK_K steps. 1 when the tiles alone are enough."""
+    if programs >= SPLIT_BELOW:
         return 1
     split = min(k_blocks, triton.cdiv(TARGET_PROGRAMS, programs))
     # Equal whole steps per program, and no program left without one.

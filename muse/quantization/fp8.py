@@ -18,18 +18,22 @@ shapes and `QuantOptions` (`layer.fp8_path`):
 - `fp8-gemm` (W8A8 on FP8 tensor cores, `muse.kernels.fp8_gemm`): CUDA with compute
   capability >= 8.9 whose probe passed, the default there. Activations are quantized per
   token (dynamic), or with the checkpoint's static `input_scale` (a fused layer's parts: the
-  largest, so no part's calibrated range is clipped); 128 x 128 blocks quantize activations
-  per token and 128 features (DeepSeek's recipe) and take torch's block-scaled `_scaled_mm`.
-  Needs out and in features multiples of 16 (of 128 for blocks); blocks of another size, or
-  blocks with a static input scale, run W8A16.
+  largest, so no part's calibrated range is clipped). Needs out and in features multiples
+  of 16. 128 x 128 blocks would quantize activations per token and 128 features (DeepSeek's
+  recipe) for torch's block-scaled `_scaled_mm`, but cuBLAS refuses some row counts with
+  them on the H200 (torch 2.11), so block-scaled weights run W8A16 for now.
 - `w8a8-emulated`: the same activation quantization in plain PyTorch (`fp8_linear_torch`),
   where the FP8 GEMM does not run and `emulate_activations` asks for it.
 - `w8a16` (weight-only; the default on CPU and wherever the FP8 GEMM does not run, and
   everywhere with `weight_only`): the weight is dequantized to the activation dtype and
   multiplied, the exact numerics of the dequantized model.
 
-The experts of a fused MoE stay weight-only (W8A16) on every device: the experts kernel
-takes one activation dtype for all experts, and a grouped FP8 GEMM is not written yet.
+The experts of a fused MoE run weight-only (W8A16) on every device: the experts kernel takes
+one activation dtype for all experts, and a grouped FP8 GEMM is not written yet. Per-tensor
+and per-channel experts are handed to the MoE backend's experts kernel as they are stored
+(`muse.kernels.w8a16.Fp8Weight`, one scale per row), which scales each FP8 weight tile into
+the activation dtype inside its GEMMs; block-scaled experts are dequantized to the activation
+dtype on every forward.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from torch import nn
 
 from muse.kernels.fp8_gemm import (fp8_linear_scaled_mm, fp8_linear_torch, scaled_mm_shapes_ok,
                                    scaled_mm_supported)
+from muse.kernels.moe_align import PairReduce
+from muse.kernels.w8a16 import Fp8Weight
 from muse.layers.quantization import WeightLoader, new_parameter
 from muse.quantization.common import (QuantOptions, WeightOnlyLinearMethod, WeightOnlyMoEMethod,
                                       current_quant_options, expert_param, moe_tags, row_scales)
@@ -172,7 +178,9 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
 class Fp8MoEMethod(WeightOnlyMoEMethod):
     """The experts' gate/up and down projections in FP8, with the per-expert scales of the
     checkpoint's `experts.{e}.{gate,up,down}_proj.weight_scale` (per-tensor: one per part).
-    Weight-only (W8A16) on every device; static `input_scale`s are loaded and kept."""
+    Weight-only (W8A16) on every device: per-tensor and per-channel experts as stored, read by
+    the experts kernel (`layer.fp8`, built once after loading), block-scaled ones dequantized
+    per forward. Static `input_scale`s are loaded and kept."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -197,11 +205,39 @@ class Fp8MoEMethod(WeightOnlyMoEMethod):
                               (num_experts, parts), torch.float32, weight_loader,
                               **moe_tags(projection, per_part=True))
 
-    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
+    @property
+    def row_scaled(self) -> bool:
+        """Whether every weight row has one scale (per tensor or per channel, not blocks)."""
+        return self.scheme.strategy != "block"
+
+    def fp8_weight(self, layer: nn.Module, projection: str) -> Fp8Weight:
+        """`gate_up` [E, 2I, L] (gate rows, then up rows) or `down` [E, L, I] with its row
+        scales (a row-scaled scheme only)."""
         weight = getattr(layer, expert_param(projection, "weight"))
         scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
         if self.scheme.strategy == "tensor":
             # One scalar per part and expert: rows of the gate half, then of the up half.
             parts = scale.shape[1]
             scale = row_scales(scale, [weight.shape[1] // parts] * parts)
+        return Fp8Weight(weight, scale)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # Built once, so that a forward runs no torch op on the weights (capturable).
+        if self.row_scaled:
+            layer.fp8 = {projection: self.fp8_weight(layer, projection)
+                         for projection in ("gate_up", "down")}
+
+    def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
+        if self.row_scaled:
+            return self.fp8_weight(layer, projection).dequantize()
+        weight = getattr(layer, expert_param(projection, "weight"))
+        scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
         return dequantize(weight, scale, self.scheme)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
+        if not self.row_scaled:
+            return super().apply(layer, x, topk_weights, topk_ids, reduce_pairs)
+        return layer.experts_kernel(x, topk_weights, topk_ids, layer.fp8["gate_up"],
+                                    layer.fp8["down"], layer.norm_weight, layer.eps,
+                                    reduce_pairs=reduce_pairs)

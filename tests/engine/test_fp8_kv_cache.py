@@ -138,6 +138,12 @@ def rounded_through_fp8(qkv):
     return forward
 
 
+# On the GPU the engine's float32 K/V come from other kernels than the reference's, and a
+# value next to an FP8 rounding boundary lands on its other side there (a 6% step of one key
+# or value): logprobs then move by about 1e-3 (2.6e-3 measured on the H200).
+FP8_LOGPROB_ATOL = 1e-4 if DEVICE == "cpu" else 1e-2
+
+
 def test_the_engine_is_the_reference_with_fp8_keys_and_values(monkeypatch):
     """Tokens exact and logprobs within the batching tolerance, through chunked prefill,
     prefix-cache hits and sliding layers that drop their blocks (prompts over 3 windows)."""
@@ -160,7 +166,7 @@ def test_the_engine_is_the_reference_with_fp8_keys_and_values(monkeypatch):
                 .log_softmax(-1)[len(prompt) - 1:]
         assert_same_logprobs(output.outputs[0].logprobs,
                              [reference_token_logprobs(row, token, 2)
-                              for row, token in zip(logprobs, tokens)])
+                              for row, token in zip(logprobs, tokens)], atol=FP8_LOGPROB_ATOL)
 
 
 # ---- scales ------------------------------------------------------------------------------

@@ -259,13 +259,12 @@ def test_choose_tiles() -> None:
                 tiles = choose_tiles(rows, out, inp, dtype)
                 assert tiles.block_k % 32 == 0 and tiles.block_k >= 32
                 assert tiles.block_m >= min(rows, 16) and tiles.block_n >= 16
-    # Decode: 160 programs of 32 columns for N = 5120; for N = 2048, 128 of 16 rather than
-    # 64, with one warp (more would repeat each other's dequantization); split-K brings them
-    # towards 1024 programs in whole K steps: 8 steps in 4 slices, 16 in 8.
-    assert choose_tiles(1, 5120, 2048) == LinearTiles(16, 32, 256, 2, 4, split_k=4)
-    assert choose_tiles(1, 2048, 4096) == LinearTiles(16, 16, 256, 1, 4, split_k=8)
+    # Decode: 16 x 128 tiles of one warp; N = 5120 gives 320 programs (enough), N = 2048 only
+    # 128, split 8 ways along K's 32 steps.
+    assert choose_tiles(1, 5120, 2048) == LinearTiles(16, 16, 128, 1, 4, split_k=1)
+    assert choose_tiles(1, 2048, 4096) == LinearTiles(16, 16, 128, 1, 4, split_k=8)
     assert choose_tiles(4096, 5120, 2048).split_k == 1  # enough output tiles
-    assert split_for(100, 3) == 3 and split_for(2000, 16) == 1 and split_for(10, 5) == 5
+    assert split_for(100, 3) == 3 and split_for(300, 16) == 1 and split_for(10, 5) == 5
     with pytest.raises(ValueError, match="split_k"):
         linear_kernel(torch.zeros(1, 96, device=DEVICE), random_weight("nvfp4", 16, 96),
                       tiles=LinearTiles(16, 16, 32, 1, 2, split_k=4))
@@ -477,23 +476,26 @@ for fmt, m in (("nvfp4", 1), ("mxfp4", 64)):
         tiles.num_warps, tiles.num_stages)
 prefill = moe_triton.choose_tiles(8192 * 8, 256)
 prefill_gemm2 = (min(prefill.gemm2[0], moe_triton.FP4_MAX_GEMM2_BLOCK_N), *prefill.gemm2[1:])
-for kernel, io, decode_tile, prefill_tile in (
+for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
         (moe_triton._gemm1_swiglu_kernel, dict(x_ptr="*bf16", h_ptr="*bf16"),
-         moe_triton.DECODE_TILES.gemm1, prefill.gemm1),
+         moe_triton.DECODE_TILES.gemm1, prefill.gemm1, prefill.gemm1),
         (moe_triton._gemm2_kernel, dict(h_ptr="*bf16", y_ptr="*fp32"),
-         moe_triton.DECODE_TILES.gemm2, prefill_gemm2)):
-    for fp4, block_m, (block_n, block_k, num_warps, num_stages) in (
-            (True, 16, decode_tile), (True, prefill.block_m, prefill_tile),
-            (False, 16, decode_tile)):
-        weight = "*u8" if fp4 else "*bf16"
+         moe_triton.DECODE_TILES.gemm2, prefill_gemm2, prefill.gemm2)):
+    for fmt, block_m, (block_n, block_k, num_warps, num_stages) in (
+            ("fp4", 16, decode_tile), ("fp4", prefill.block_m, prefill_tile),
+            ("fp8", 16, decode_tile), ("fp8", prefill.block_m, prefill_tile_fp8),
+            ("dense", 16, decode_tile)):
+        fp4, quantized = fmt == "fp4", fmt != "dense"
+        weight = "*u8" if quantized else "*bf16"
         pointers = dict(io, w_ptr=weight, scales_ptr="*u8" if fp4 else weight,
-                        row_factor_ptr="*fp32" if fp4 else weight,
+                        row_factor_ptr="*fp32" if quantized else weight,
                         sorted_pairs_ptr="*i64", block_expert_ptr="*i64")
         compile_for_hopper(
             kernel, pointers,
             dict(LATENT=1024, INTER=640, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                  PRECISION="tf32", WIDEN=False, ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4,
-                 SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False, HAS_ROW_FACTOR=fp4),
+                 FP8=fmt == "fp8", SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
+                 HAS_ROW_FACTOR=quantized),
             num_warps, num_stages)
 print("compiled")
 """
@@ -501,7 +503,7 @@ print("compiled")
 
 def test_kernels_compile_for_hopper() -> None:
     """The linear kernel (NVFP4 decode, MXFP4 at 64 rows) and the fused experts' GEMMs (FP4
-    at decode and prefill tiles, dense at decode) compile for sm_90 with the tiles the
+    and FP8 at decode and prefill tiles, dense at decode) compile for sm_90 with the tiles the
     launchers pick."""
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("Triton's NVIDIA back end is not installed")

@@ -280,8 +280,8 @@ def test_scaled_mm_matches_twin_on_gpu(case):
 def test_layer_takes_the_fp8_gemm_on_gpu():
     generator = torch.Generator().manual_seed(8)
     scheme = Fp8Scheme("tensor", static_input_scale=True)
-    with torch.device("cuda"), quant_options(QuantOptions()):
-        layer = _fp8_qkv(scheme, generator)
+    with quant_options(QuantOptions()):
+        layer = _fp8_qkv(scheme, generator).cuda()
     layer.quant_method.process_weights_after_loading(layer)
     if not scaled_mm_supported(torch.device("cuda")):
         pytest.skip("no rowwise torch._scaled_mm on this GPU / build")
