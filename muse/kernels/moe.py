@@ -46,6 +46,8 @@ is made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -56,17 +58,22 @@ from muse.kernels.w8a16 import Fp8Weight
 # A stacked-experts weight as both experts paths take it: dense in the activation dtype, FP4 or
 # FP8 (gate_up and down each on its own).
 ExpertWeight = torch.Tensor | Fp4Weight | Fp8Weight
+# (rows, expert, "gate_up" | "down") -> the rows that projection multiplies.
+ActivationHook = Callable[[torch.Tensor, int, str], torch.Tensor]
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                         gate_up: ExpertWeight, down: ExpertWeight,
                         norm_weight: torch.Tensor | None, eps: float,
-                        reduce_pairs: PairReduce | None = None) -> torch.Tensor:
+                        reduce_pairs: PairReduce | None = None,
+                        activations: ActivationHook | None = None) -> torch.Tensor:
     """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
 
     It rounds where the kernels round: h in the activation dtype, everything after the second
     matmul in float32. It asks the host for the per-expert counts once, so it is not capturable.
     FP4 and FP8 experts are dequantized and rounded to the activation dtype first.
+    `activations(rows, expert, projection)`, when given, replaces each expert's input rows
+    ("gate_up") and its h ("down") before their matmul (emulated activation quantization).
     """
     gate_up, down = dense_weight(gate_up, x.dtype), dense_weight(down, x.dtype)
     num_tokens, top_k = expert_ids.shape
@@ -82,8 +89,13 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
             continue
         pairs = order[start:start + count]
         start += count
-        gate_up_out = (x[pairs // top_k] @ gate_up[expert].t()).float()
+        rows = x[pairs // top_k]
+        if activations is not None:
+            rows = activations(rows, expert, "gate_up")
+        gate_up_out = (rows @ gate_up[expert].t()).float()
         h = (F.silu(gate_up_out[:, :inter]) * gate_up_out[:, inter:]).to(x.dtype)
+        if activations is not None:
+            h = activations(h, expert, "down")
         y[pairs] = (h @ down[expert].t()).float()
     if reduce_pairs is not None:
         y = reduce_pairs(y)

@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from muse.kernels.moe import fused_experts_torch
 from muse.kernels.moe_align import PairReduce
 from muse.kernels.w4a16 import E2M1_MAGNITUDES
 
@@ -115,31 +115,11 @@ def fused_experts_emulated(x: torch.Tensor, weights: torch.Tensor, expert_ids: t
                            reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """`muse.kernels.moe.fused_experts_torch` with W4A4 activations: each expert's input rows
     are NVFP4-fake-quantized with its gate/up divisor (`gate_up_divisor` [E]) and its
-    intermediate h with its down divisor (`down_divisor` [E]) before the matmuls. The rest
-    (rounding h to the activation dtype, float32 after the down matmul, the expert norm, the
-    weighted combine) is the torch experts path's. It asks the host for the per-expert
-    counts, so a step containing it cannot be captured in a CUDA graph."""
-    num_tokens, top_k = expert_ids.shape
-    inter = down.shape[2]
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    y = torch.zeros(flat.numel(), x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        rows = fake_quantize_nvfp4(x[pairs // top_k], gate_up_divisor[expert])
-        gate_up_out = (rows @ gate_up[expert].t()).float()
-        h = (F.silu(gate_up_out[:, :inter]) * gate_up_out[:, inter:]).to(x.dtype)
-        h = fake_quantize_nvfp4(h, down_divisor[expert])
-        y[pairs] = (h @ down[expert].t()).float()
-    if reduce_pairs is not None:
-        y = reduce_pairs(y)
-    if norm_weight is not None:
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-        y = y * norm_weight[flat].float()
-    out = (y.view(num_tokens, top_k, x.shape[1]) * weights.float()[..., None]).sum(1)
-    return out.to(x.dtype)
+    intermediate h with its down divisor (`down_divisor` [E]) before the matmuls. It asks the
+    host for the per-expert counts, so a step containing it cannot be captured in a CUDA
+    graph."""
+    divisors = {"gate_up": gate_up_divisor, "down": down_divisor}
+    return fused_experts_torch(
+        x, weights, expert_ids, gate_up, down, norm_weight, eps, reduce_pairs,
+        activations=lambda rows, expert, projection: fake_quantize_nvfp4(
+            rows, divisors[projection][expert]))
