@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from muse.engine.args import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, EngineArgs
+from muse.multimodal.media import MediaLimits
 from muse.quantization import ONLINE_FORMATS
 
 logger = logging.getLogger("muse.server")
@@ -109,6 +110,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--allowed-origins", type=_origins, default=None,
         help="CORS: origins whose browser pages may call the API, as a JSON list or "
              "comma-separated (default: none, CORS off)")
+    add("--allowed-media-domains", nargs="+", default=None,
+        help="media URLs may name only these hosts (exact names or IP addresses), which are "
+             "trusted: their addresses may be private or loopback (default: none: any host "
+             "whose addresses are all public)")
+    add("--allowed-local-media-path", default=None,
+        help="a folder whose files media parts may name as file: URLs (default: none, "
+             "file: URLs refused)")
+    add("--media-fetch-timeout", type=float, default=MediaLimits.media_fetch_timeout_s,
+        help="seconds to fetch one media URL, redirects included (default: %(default)s)")
+    add("--max-media-bytes", type=int, default=MediaLimits.max_media_bytes,
+        help="largest media part, fetched or base64, in bytes (default: %(default)s)")
+    add("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
+        help="largest image, width x height, checked before decoding (default: "
+             "%(default)s)")
+    add("--max-video-frames", type=int, default=MediaLimits.max_video_frames,
+        help="most frames sampled from one video; a longer one is sampled evenly over its "
+             "length (default: %(default)s)")
+    add("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
+        help="longest audio clip in seconds (default: %(default)s)")
     add("--restart-engine", action="store_true",
         help="start a new engine core when it dies, instead of exiting with an error "
              "(default: off)")
@@ -198,6 +218,16 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=args.speculative_config)
 
 
+def media_limits_from(args: argparse.Namespace) -> MediaLimits:
+    return MediaLimits(
+        max_media_bytes=args.max_media_bytes, media_fetch_timeout_s=args.media_fetch_timeout,
+        max_image_pixels=args.max_image_pixels, max_video_frames=args.max_video_frames,
+        max_audio_seconds=args.max_audio_seconds,
+        allowed_media_domains=tuple(args.allowed_media_domains)
+        if args.allowed_media_domains is not None else None,
+        allowed_local_media_path=args.allowed_local_media_path)
+
+
 def build_from_args(args: argparse.Namespace, on_engine_death=None):
     """The app for these flags (the engine starts with the app's lifespan)."""
     from muse.engine.engine import load_tokenizer
@@ -207,6 +237,7 @@ def build_from_args(args: argparse.Namespace, on_engine_death=None):
 
     engine_args = engine_args_from(args)
     engine_args.validate()
+    media_limits = media_limits_from(args)
     tokenizer = load_tokenizer(engine_args)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; the server needs one")
@@ -227,7 +258,7 @@ def build_from_args(args: argparse.Namespace, on_engine_death=None):
         request_body_timeout_s=args.request_body_timeout,
         allowed_origins=args.allowed_origins,
         log_stats_interval_s=None if args.disable_log_stats else 5.0,
-        max_token_bytes=tokenizer.max_token_bytes)
+        max_token_bytes=tokenizer.max_token_bytes, media_limits=media_limits)
     client = ThreadEngineClient(engine_args) if args.engine_in_process \
         else ProcessEngineClient(engine_args, restart=args.restart_engine)
     return build_app(client, tokenizer, options, on_engine_death)

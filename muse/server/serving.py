@@ -17,6 +17,7 @@ from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_S
 from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
 from muse.engine.structured_output import StructuredOutput
+from muse.multimodal.media import MediaLimits
 from muse.server.errors import APIError
 from muse.server.json_body import json_strings
 from muse.server.messages import EngineReady
@@ -49,6 +50,8 @@ class ServerOptions:
     # Bytes of the tokenizer's longest token: a text longer than max_model_len times this
     # cannot fit, so it is refused without tokenizing it.
     max_token_bytes: int = 1
+    # How media parts are fetched and decoded (the --allowed-media-* and --max-* flags).
+    media_limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
 
 
 def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:

@@ -1,0 +1,115 @@
+"""The 24 kHz waveform audio encoder: one text-sized embedding per 80 ms frame.
+
+A clip's raw mono waveform is cut into frames of `samples_per_token` samples (the last one
+zero-padded), each frame is embedded by one linear map (a Conv1d whose kernel and stride are
+both `samples_per_token`), sinusoidal positions counted from the clip's first frame are added,
+and a stack of pre-norm bidirectional transformer layers runs over the frames. A final
+LayerNorm and a linear projector map each frame to the text decoder's hidden size.
+
+Several clips run as one packed sequence: attention is block-diagonal, so a frame attends to
+every frame of its own clip and to nothing else, and each clip's output is the one it has alone.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from muse.config import AudioConfig
+from muse.kernels.varlen_attention import varlen_attention
+from muse.multimodal.encoder_layer import EncoderLayer
+
+# Sinusoidal timescales as in the Transformer paper: wavelengths from 2*pi to 10000*2*pi frames.
+_MAX_TIMESCALE = 10000.0
+
+
+def num_audio_tokens(samples: int, config: AudioConfig) -> int:
+    """Tokens (placeholder positions in the prompt) a clip of `samples` samples becomes."""
+    if samples < 1:
+        raise ValueError(f"an audio clip needs at least one sample; got {samples}")
+    return -(-samples // config.samples_per_token)
+
+
+def _check_waveform(waveform: torch.Tensor, config: AudioConfig, sample_rate: int | None) -> None:
+    if sample_rate is not None and sample_rate != config.sample_rate:
+        raise ValueError(f"audio sample_rate must be {config.sample_rate} Hz (audio_config."
+                         f"sample_rate); got {sample_rate} Hz: resample the clip first")
+    if not isinstance(waveform, torch.Tensor):
+        raise ValueError(f"an audio waveform must be a torch.Tensor; got {type(waveform).__name__}")
+    if waveform.dim() != 1:
+        raise ValueError("an audio waveform must be mono, shape [samples]; got shape "
+                         f"{tuple(waveform.shape)}: mix the channels down first")
+    if not waveform.is_floating_point():
+        raise ValueError(f"an audio waveform must be floating point (samples in [-1, 1]); got "
+                         f"{waveform.dtype}: scale integer PCM to float first")
+    num_audio_tokens(waveform.numel(), config)
+
+
+def frames(waveform: torch.Tensor, config: AudioConfig,
+           sample_rate: int | None = None) -> torch.Tensor:
+    """Mono float waveform [samples] at the config's rate -> [num_audio_tokens, samples_per_token].
+
+    `sample_rate`, when the caller knows it, is checked against `config.sample_rate`; the
+    encoder does not resample.
+    """
+    _check_waveform(waveform, config, sample_rate)
+    num_frames = num_audio_tokens(waveform.numel(), config)
+    padding = num_frames * config.samples_per_token - waveform.numel()
+    return F.pad(waveform, (0, padding)).reshape(num_frames, config.samples_per_token)
+
+
+def sinusoidal_positions(num_frames: int, hidden_size: int, device: torch.device | str | None = None
+                         ) -> torch.Tensor:
+    """[num_frames, hidden_size] float32 sin / cos positions; computed, so any length works."""
+    half = hidden_size // 2
+    inverse_timescales = torch.exp(-math.log(_MAX_TIMESCALE)
+                                   * torch.arange(half, dtype=torch.float32, device=device) / half)
+    angles = torch.arange(num_frames, dtype=torch.float32, device=device)[:, None] \
+        * inverse_timescales[None, :]
+    positions = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    # An odd hidden size leaves one channel without a position signal.
+    return F.pad(positions, (0, hidden_size - 2 * half))
+
+
+class AudioEncoder(nn.Module):
+    """Waveforms -> one [num_audio_tokens, text_hidden_size] embedding tensor per clip."""
+
+    def __init__(self, config: AudioConfig, text_hidden_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.frame_embedding = nn.Linear(config.samples_per_token, config.hidden_size)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config.hidden_size, config.num_attention_heads,
+                         config.intermediate_size, config.layer_norm_eps)
+            for _ in range(config.num_hidden_layers))
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.post_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.projector = nn.Linear(config.hidden_size, text_hidden_size)
+
+    def forward(self, waveforms: list[torch.Tensor],
+                sample_rate: int | None = None) -> list[torch.Tensor]:
+        """Encode all clips as one packed sequence."""
+        if not waveforms:
+            return []
+        weight = self.frame_embedding.weight
+        clip_frames = [frames(waveform, self.config, sample_rate) for waveform in waveforms]
+        lengths = [clip.shape[0] for clip in clip_frames]
+        cu_seqlens = torch.tensor([0, *lengths], device=weight.device).cumsum(0, dtype=torch.int32)
+        hidden = self.frame_embedding(torch.cat(clip_frames).to(weight.device, weight.dtype))
+        table = sinusoidal_positions(max(lengths), self.config.hidden_size, weight.device)
+        positions = torch.cat([table[:length] for length in lengths])
+        hidden = hidden + positions.to(hidden.dtype)
+        attend = partial(varlen_attention, cu_seqlens=cu_seqlens, scale=self.head_dim ** -0.5,
+                         max_seqlen=max(lengths))
+        for layer in self.layers:
+            hidden = layer(hidden, attend)
+        return list(self.projector(self.post_norm(hidden)).split(lengths))
+
+    def forward_per_clip(self, waveforms: list[torch.Tensor],
+                         sample_rate: int | None = None) -> list[torch.Tensor]:
+        """Reference path: each clip encoded alone, with no mask; equals `forward`."""
+        return [self([waveform], sample_rate)[0] for waveform in waveforms]

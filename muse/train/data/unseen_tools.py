@@ -1,0 +1,345 @@
+"""Tool use with tools made up on the spot, so the model learns to read the schema it is given
+instead of recalling the few tools it trained on.
+
+A tool is a snake_case name built from word lists (`archive_invoice`, `scan_shared_locker`),
+a description and one to three arguments with random names and types (string, integer,
+number, boolean, enum). The user asks for the tool's action and states every argument's value
+as written in the call, so the call is copied, never guessed. Three kinds of case:
+
+- `call`: the one offered tool fits; the assistant calls it and answers from its result.
+- `choose`: two to four tools are offered and one fits (the others may share its verb or its
+  noun); the assistant calls that one and answers from its result.
+- `no_tool`: the user asks for an action no offered tool does; the assistant says so
+  without calling anything.
+
+Vocabularies and phrasings are split by `split.split_items`: held-out cases use verbs,
+nouns, qualifiers, argument words and phrasings that training never shows. Messages have the
+shape of `tools.exchange`, so the chat template renders them and the tool list goes to
+`tools=` as `offered_schemas(case)`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from muse.train.data.split import split_items
+from muse.train.data.tools import function_schema
+
+KINDS = ("call", "choose", "no_tool")
+KIND_WEIGHTS = (0.3, 0.5, 0.2)
+ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
+
+VERBS = ("archive", "book", "cancel", "check", "clean", "close", "compress", "copy", "count",
+         "create", "delete", "describe", "disable", "enable", "export", "fetch", "find", "flag",
+         "format", "import", "index", "inspect", "label", "list", "load", "lock", "measure",
+         "merge", "move", "open", "order", "pause", "publish", "rank", "rename", "renew",
+         "reset", "resize", "restore", "rotate", "save", "scan", "schedule", "score", "sort",
+         "split", "start", "stop", "submit", "summarize", "sync", "tag", "track", "translate",
+         "unlock", "update", "upload", "validate", "verify", "weigh")
+NOUNS = ("invoice", "ticket", "parcel", "playlist", "garden", "ledger", "recipe", "sensor",
+         "drone", "vault", "badge", "shipment", "greenhouse", "telescope", "locker",
+         "reservation", "voucher", "forecast", "backup", "roster", "inventory", "thermostat",
+         "printer", "kiosk", "satellite", "bicycle", "album", "contract", "pipeline", "volume",
+         "warehouse", "calendar", "aquarium", "podcast", "journal", "container", "firmware",
+         "license", "mailbox", "orchard", "pallet", "receipt", "router", "spreadsheet",
+         "subscription", "terminal", "trailer", "turbine", "webhook", "workshop")
+QUALIFIERS = ("daily", "remote", "shared", "local", "pending", "archived", "public", "private",
+              "weekly", "active", "draft", "primary", "secondary", "nightly", "guest", "team")
+ARGUMENT_WORDS = ("label", "depth", "priority", "color", "region", "count", "limit", "owner",
+                  "code", "zone", "level", "size", "weight", "speed", "format", "mode", "note",
+                  "channel", "quota", "budget", "rating", "duration", "volume", "angle", "tag",
+                  "language", "threshold", "margin", "batch", "stage", "version", "slot",
+                  "seat", "floor", "shelf", "lane", "route", "gate", "port", "title")
+ARGUMENT_PREFIXES = ("max", "min", "target", "source", "new", "default", "start", "end")
+RESULT_FIELDS = ("status", "reference", "total", "confirmation", "message", "count", "id",
+                 "receipt", "score", "state")
+ENUM_SETS = (("low", "medium", "high"), ("red", "green", "blue"), ("daily", "weekly", "monthly"),
+             ("asc", "desc"), ("small", "medium", "large", "huge"), ("north", "south", "east",
+             "west"), ("draft", "review", "final"), ("json", "csv", "xml"),
+             ("morning", "afternoon", "evening"), ("bronze", "silver", "gold", "platinum"))
+STRING_WORDS = ("amber", "maple", "harbor", "quartz", "willow", "cobalt", "falcon", "lotus",
+                "ember", "orbit", "pepper", "saffron", "tundra", "velvet", "zephyr", "meadow")
+PEOPLE = ("Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jun")
+
+# `{action}` is "verb the [qualifier] noun", `{arguments}` the argument phrases joined.
+REQUEST_TEMPLATES = (
+    "Please {action} with {arguments}.",
+    "Can you {action}? Use {arguments}.",
+    "I need you to {action}: {arguments}.",
+    "Could you {action} using {arguments}?",
+    "Go ahead and {action} ({arguments}).",
+    "Time to {action}; {arguments}.",
+    "My request: {action}, with {arguments}.",
+    "Help me {action}. Here is what to use: {arguments}.",
+    "Quick one: {action} with {arguments}.",
+    "I'd like to {action}, {arguments}.",
+    "Let's {action}. Set {arguments}.",
+    "Would you {action} for me? Use {arguments}.",
+    "Try to {action} given {arguments}.",
+    "Please {action} now, {arguments}.",
+    "Can we {action} with {arguments}, please?",
+)
+# `{name}` is the argument's name as written or with spaces for underscores.
+ARGUMENT_TEMPLATES = (
+    "{name} {value}",
+    "{name} = {value}",
+    "{name}: {value}",
+    "{name} set to {value}",
+    "the {name} {value}",
+    "{value} as the {name}",
+    "{value} for the {name}",
+    "a {name} of {value}",
+    "{name} equal to {value}",
+    "the {name} being {value}",
+    "{name} -> {value}",
+    "the {name} as {value}",
+)
+ANSWER_TEMPLATES = (
+    "Done: the {field} is {value}.",
+    "{tool} finished; {field}: {value}.",
+    "The tool reports {field} {value}.",
+    "All set. The {field} is {value}.",
+    "{tool} returned {field} {value}.",
+    "It worked, with {field} {value}.",
+    "Here is the result: {field} {value}.",
+    "Finished. {tool} gave the {field} as {value}.",
+    "The {field} came back as {value}.",
+    "Success: {field} = {value}.",
+    "I ran {tool}; the {field} is {value}.",
+    "Completed, and the {field} is {value}.",
+)
+DECLINE_TEMPLATES = (
+    "None of the available tools can {action}, so I can't do that here.",
+    "I don't have a tool to {action}.",
+    "Sorry, I can't {action}: no offered tool does that.",
+    "The tools I have can't {action}.",
+    "I'm unable to {action} with the tools available.",
+    "No tool here lets me {action}, so I can't help with that.",
+    "I can't {action}; none of my tools does it.",
+    "That needs a tool to {action}, and I don't have one.",
+    "There is no tool available to {action}.",
+    "I would need a tool to {action}, which I don't have here.",
+    "Unfortunately none of the tools can {action}.",
+)
+DESCRIPTION_TEMPLATES = ("{Verb} the {noun}.", "{Verb} a {noun} by the given settings.",
+                         "{Verb} one {noun}.", "Use this to {verb} the {noun}.",
+                         "{Verb} the {noun} and report the {field}.")
+
+
+@dataclass(frozen=True)
+class Argument:
+    name: str
+    type: str  # one of ARGUMENT_TYPES
+    description: str
+    required: bool
+    options: tuple[str, ...] = ()  # the allowed values of an enum
+
+    def schema(self) -> dict[str, Any]:
+        if self.type == "enum":
+            return {"type": "string", "enum": list(self.options), "description": self.description}
+        return {"type": self.type, "description": self.description}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    verb: str
+    qualifier: str | None
+    noun: str
+    description: str
+    arguments: tuple[Argument, ...]
+    result_field: str
+
+    @property
+    def action(self) -> str:
+        """What a user asks for: "scan the shared locker"."""
+        qualifier = f"{self.qualifier} " if self.qualifier else ""
+        return f"{self.verb} the {qualifier}{self.noun}"
+
+    def schema(self) -> dict[str, Any]:
+        properties = {argument.name: argument.schema() for argument in self.arguments}
+        required = [argument.name for argument in self.arguments if argument.required]
+        return function_schema(self.name, self.description, properties, required)
+
+
+@dataclass(frozen=True)
+class UnseenToolCase:
+    """One request, the tools offered with it, and the right response.
+
+    `tool` is the offered tool that fits (None for `no_tool`, where `requested` is the tool
+    the user would need); `arguments` are the call's, `result` what the tool returns.
+    """
+
+    kind: str
+    request: str
+    offered: tuple[Tool, ...]
+    requested: Tool
+    arguments: dict[str, Any]
+    result: dict[str, Any] | None
+    answer: str
+
+    @property
+    def tool(self) -> Tool | None:
+        return None if self.kind == "no_tool" else self.requested
+
+    @property
+    def answer_value(self) -> str | None:
+        """The part of the result a correct final answer must repeat (None without a call)."""
+        return None if self.result is None else spoken(self.result[self.requested.result_field])
+
+
+def spoken(value: Any) -> str:
+    """A value as the user writes it and as it appears in the call's JSON."""
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _argument(rng: random.Random, split: str, taken: set[str], noun: str,
+              required: bool) -> Argument:
+    words = split_items(ARGUMENT_WORDS, split)
+    while True:
+        word = rng.choice(words)
+        name = f"{rng.choice(ARGUMENT_PREFIXES)}_{word}" if rng.random() < 0.4 else word
+        if name not in taken:
+            break
+    taken.add(name)
+    kind = rng.choice(ARGUMENT_TYPES)
+    spaced = name.replace("_", " ")
+    description = rng.choice([f"The {spaced} of the {noun}.", f"Which {spaced} to use.",
+                              f"{_capitalized(spaced)} for this {noun}."])
+    options = rng.choice(ENUM_SETS) if kind == "enum" else ()
+    return Argument(name, kind, description, required, options)
+
+
+def random_tool(rng: random.Random, split: str, verb: str | None = None,
+                noun: str | None = None) -> Tool:
+    """A tool whose name and argument names come from `split`'s vocabularies (`verb` and
+    `noun` fix those words of the name)."""
+    verb = verb or rng.choice(split_items(VERBS, split))
+    noun = noun or rng.choice(split_items(NOUNS, split))
+    qualifier = rng.choice(split_items(QUALIFIERS, split)) if rng.random() < 0.4 else None
+    name = "_".join(word for word in (verb, qualifier, noun) if word)
+    field = rng.choice(RESULT_FIELDS)
+    # The first argument is always required so that every call has one.
+    taken: set[str] = set()
+    arguments = tuple(_argument(rng, split, taken, noun, index == 0 or rng.random() < 0.6)
+                      for index in range(rng.randint(1, 3)))
+    description = rng.choice(DESCRIPTION_TEMPLATES).format(
+        Verb=_capitalized(verb), verb=verb, noun=noun, field=field)
+    return Tool(name, verb, qualifier, noun, description, arguments, field)
+
+
+def _value(rng: random.Random, argument: Argument) -> Any:
+    if argument.type == "integer":
+        return rng.choice([rng.randint(0, 20), rng.randint(21, 9999)])
+    if argument.type == "number":
+        return round(rng.randint(0, 999) + rng.randint(1, 99) / 100, 2)
+    if argument.type == "boolean":
+        return rng.random() < 0.5
+    if argument.type == "enum":
+        return rng.choice(argument.options)
+    style = rng.randrange(4)
+    if style == 0:
+        letters = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(rng.randint(2, 3)))
+        return f"{letters}-{rng.randint(10, 9999)}"
+    if style == 1:
+        return rng.choice(STRING_WORDS)
+    if style == 2:
+        return f"{rng.choice(STRING_WORDS)}-{rng.choice(STRING_WORDS)}"
+    return rng.choice(PEOPLE)
+
+
+def _call_arguments(rng: random.Random, tool: Tool) -> dict[str, Any]:
+    """Every required argument and about half of the optional ones."""
+    return {argument.name: _value(rng, argument) for argument in tool.arguments
+            if argument.required or rng.random() < 0.5}
+
+
+def _request(rng: random.Random, split: str, tool: Tool, arguments: dict[str, Any]) -> str:
+    phrases = []
+    for name, value in arguments.items():
+        written = name if rng.random() < 0.5 else name.replace("_", " ")
+        phrases.append(rng.choice(split_items(ARGUMENT_TEMPLATES, split)).format(
+            name=written, value=spoken(value)))
+    joined = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+    template = rng.choice(split_items(REQUEST_TEMPLATES, split))
+    return template.format(action=tool.action, arguments=joined)
+
+
+def _result_value(rng: random.Random) -> Any:
+    return rng.choice([f"R-{rng.randint(1000, 99999)}", rng.randint(1, 5000),
+                       rng.choice(("ok", "done", "queued", "accepted"))])
+
+
+def _distinct(tool: Tool, others: list[Tool]) -> bool:
+    """No two offered tools do the same action or share a name."""
+    return all(tool.name != other.name and (tool.verb, tool.noun) != (other.verb, other.noun)
+               for other in others)
+
+
+def _distractor(rng: random.Random, split: str, target: Tool) -> Tool:
+    """A random tool, half the time sharing the target's verb or noun (a near miss)."""
+    if rng.random() < 0.5:
+        return random_tool(rng, split)
+    if rng.random() < 0.5:
+        return random_tool(rng, split, verb=target.verb)
+    return random_tool(rng, split, noun=target.noun)
+
+
+def sample_case(rng: random.Random, split: str, kind: str | None = None) -> UnseenToolCase:
+    """A case of `kind` (one of KINDS; random by KIND_WEIGHTS when None) from `split`."""
+    if kind is None:
+        kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    requested = random_tool(rng, split)
+    arguments = _call_arguments(rng, requested)
+    request = _request(rng, split, requested, arguments)
+    others: list[Tool] = []
+    count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
+    while len(others) < count:
+        other = _distractor(rng, split, requested)
+        if _distinct(other, [requested, *others]):
+            others.append(other)
+    if kind == "no_tool":
+        answer = rng.choice(split_items(DECLINE_TEMPLATES, split)).format(
+            action=requested.action)
+        return UnseenToolCase(kind, request, tuple(others), requested, arguments, None, answer)
+    offered = [requested, *others]
+    rng.shuffle(offered)
+    value = _result_value(rng)
+    answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(
+        tool=requested.name, field=requested.result_field, value=spoken(value))
+    return UnseenToolCase(kind, request, tuple(offered), requested, arguments,
+                          {requested.result_field: value}, answer)
+
+
+def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
+    """The tool list to pass as `tools=` when rendering the case."""
+    return [tool.schema() for tool in case.offered]
+
+
+def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
+    """The user's request and the assistant's reply: a call, its result and the answer that
+    uses it, or (for `no_tool`) a direct answer."""
+    user = {"role": "user", "content": case.request}
+    if case.tool is None:
+        return [user, {"role": "assistant",
+                       "reasoning_content": f"No offered tool can {case.requested.action}.",
+                       "content": case.answer}]
+    name = case.tool.name
+    return [
+        user,
+        {"role": "assistant", "reasoning_content": f"I should call {name}.", "content": "",
+         "tool_calls": [{"type": "function", "function": {
+             "name": name, "arguments": case.arguments}}]},
+        {"role": "tool", "content": json.dumps(case.result)},
+        {"role": "assistant", "reasoning_content": f"The {name} tool answered.",
+         "content": case.answer},
+    ]

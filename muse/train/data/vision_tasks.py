@@ -1,0 +1,311 @@
+"""Questions about synthetic pictures and clips drawn with Pillow, with short text answers.
+
+An image is a white square split into a 3x3 grid; one to five shapes (circle, square,
+triangle, star, diamond, hexagon) in named colours sit in distinct cells, and a digit or a
+short word may be written in black in a free cell. Shapes are filled without antialiasing, so
+every shape pixel has its palette colour exactly and the answers can be checked from the
+pixels. No two shapes share both colour and kind, so "the red circle" names one shape.
+
+Image questions ask for the colour or kind of a lone shape, the number of shapes, where a
+shape is, or what is written. Video questions ask which way a single shape moves (left,
+right, up, down), which shape it is, or its colour; frames are uint8 arrays [T, H, W, 3].
+
+The user turn is a content-part list with an `{"type": "image"}` (or `"video"`) placeholder,
+which the chat template renders and HF processors accept; the pixels travel beside it.
+Phrasings and written words are split by `split.split_items`, so held-out cases are asked in
+phrasings training never used.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from muse.train.data.split import split_items
+
+IMAGE_SIZE = 224
+VIDEO_SIZE = 96
+VIDEO_FRAMES = 8
+BACKGROUND = (255, 255, 255)
+TEXT_COLOUR = (0, 0, 0)
+# No neutral colour, so the greys of antialiased black text never match a shape's colour.
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 160, 60), "blue": (30, 70, 220),
+    "yellow": (240, 210, 30), "orange": (245, 140, 20), "purple": (140, 50, 190),
+    "pink": (240, 120, 180), "brown": (130, 80, 40),
+}
+SHAPES = ("circle", "square", "triangle", "star", "diamond", "hexagon")
+# Grid cells by (row, column).
+POSITIONS = {(0, 0): "top left", (0, 1): "top", (0, 2): "top right",
+             (1, 0): "left", (1, 1): "center", (1, 2): "right",
+             (2, 0): "bottom left", (2, 1): "bottom", (2, 2): "bottom right"}
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+WORDS = ("cat", "sun", "box", "tree", "fish", "moon", "bird", "lamp", "door", "key", "cup",
+         "hat", "ship", "rain", "milk", "frog", "star", "gold", "wind", "road")
+IMAGE_KINDS = ("colour", "shape", "count", "position", "read")
+VIDEO_KINDS = ("direction", "shape", "colour")
+
+IMAGE_QUESTIONS: dict[str, tuple[str, ...]] = {
+    "colour": (
+        "What colour is the shape?", "What color is the shape in the picture?",
+        "Which colour is the shape?", "Name the colour of the shape.",
+        "What is the colour of the object?", "Tell me the shape's colour.",
+        "The shape is what color?", "What color is the object in this image?",
+        "Give the colour of the shape.", "In what colour is the shape drawn?",
+        "Which color has the shape?", "Say the colour of the only shape."),
+    "shape": (
+        "What shape is in the image?", "Which shape is drawn?", "Name the shape.",
+        "What kind of shape is this?", "What shape do you see?",
+        "Tell me which shape is in the picture.", "Identify the shape.",
+        "Which geometric shape appears here?", "What is the shape in this picture?",
+        "What shape is shown?", "Say what shape is drawn.", "The picture shows which shape?"),
+    "count": (
+        "How many shapes are there?", "How many shapes are in the image?",
+        "Count the shapes.", "What is the number of shapes?",
+        "How many shapes do you see?", "Count the shapes in the picture.",
+        "How many objects are drawn?", "Give the number of shapes shown.",
+        "Tell me how many shapes there are.", "How many shapes does the picture contain?",
+        "What's the shape count?", "Number of shapes in this image?"),
+    "position": (
+        "Where is the {colour} {shape}?", "Where is the {colour} {shape} in the image?",
+        "In which part of the picture is the {colour} {shape}?",
+        "Where can you see the {colour} {shape}?", "Locate the {colour} {shape}.",
+        "What is the position of the {colour} {shape}?",
+        "Tell me where the {colour} {shape} is.", "Which region holds the {colour} {shape}?",
+        "Where was the {colour} {shape} drawn?", "Find the {colour} {shape}: where is it?",
+        "Say where the {colour} {shape} sits.", "Where in the image is the {colour} {shape}?"),
+    "read": (
+        "What is written in the image?", "Read the text in the picture.",
+        "What does the text say?", "Which word or number is written here?",
+        "Read what is written.", "What text appears in the image?",
+        "Tell me what is written in the picture.", "What is the written text?",
+        "What do the letters or digits say?", "Transcribe the text in the image.",
+        "What word or digit is shown?", "Say what the image has written on it."),
+}
+VIDEO_QUESTIONS: dict[str, tuple[str, ...]] = {
+    "direction": (
+        "Which way does the shape move?", "In which direction is the shape moving?",
+        "Does the shape move left, right, up or down?", "Where is the shape going?",
+        "What direction does the object travel?", "Which direction does it move in?",
+        "Tell me the direction of motion.", "How does the shape move: left, right, up or down?",
+        "Which way is the object moving?", "Name the direction the shape moves.",
+        "In what direction does the shape go?", "Say which way the shape travels."),
+    "shape": (
+        "Which shape appears in the video?", "What shape is moving?",
+        "What kind of shape is in the clip?", "Name the shape in the video.",
+        "Which shape do you see moving?", "What shape is shown in this video?",
+        "Identify the moving shape.", "Tell me which shape moves.",
+        "What is the shape in the clip?", "Which geometric shape is in the video?",
+        "What shape travels across the frames?", "Say what shape appears."),
+    "colour": (
+        "What colour is the moving shape?", "What color is the shape in the video?",
+        "Which colour is the object in the clip?", "Name the colour of the moving shape.",
+        "Tell me the colour of the shape that moves.", "What is the shape's color?",
+        "In what colour is the moving object drawn?", "Which color moves across the video?",
+        "Give the colour of the shape in the clip.", "What colour does the moving shape have?",
+        "Say the colour of the object in the video.", "The moving shape is what colour?"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str  # one of SHAPES
+    colour: str  # a key of COLOURS
+    cell: tuple[int, int]  # (row, column) in the 3x3 grid
+    center: tuple[int, int]  # (x, y) in pixels
+    radius: int
+
+    @property
+    def position(self) -> str:
+        return POSITIONS[self.cell]
+
+
+@dataclass(frozen=True)
+class Scene:
+    shapes: tuple[Shape, ...]
+    text: str | None = None  # a digit or a word, written in black
+    text_cell: tuple[int, int] | None = None
+    size: int = IMAGE_SIZE
+
+
+@dataclass
+class ImageCase:
+    kind: str  # one of IMAGE_KINDS
+    question: str
+    answer: str
+    scene: Scene
+    image: Image.Image
+
+    def messages(self) -> list[dict[str, Any]]:
+        return _messages("image", self.question, describe(self.scene), self.answer)
+
+
+@dataclass
+class VideoCase:
+    kind: str  # one of VIDEO_KINDS
+    question: str
+    answer: str
+    shape: str
+    colour: str
+    direction: str  # a key of DIRECTIONS
+    frames: np.ndarray = field(compare=False)  # uint8 [T, H, W, 3]
+
+    def messages(self) -> list[dict[str, Any]]:
+        reasoning = f"{_a(self.colour).capitalize()} {self.shape} moves {self.direction}."
+        return _messages("video", self.question, reasoning, self.answer)
+
+
+def _messages(media: str, question: str, reasoning: str, answer: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": media}, {"type": "text", "text": question}]},
+            {"role": "assistant", "reasoning_content": reasoning, "content": answer}]
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _where(position: str) -> str:
+    if position == "center":
+        return "in the center"
+    if position in ("left", "right"):
+        return f"on the {position}"
+    return f"at the {position}"
+
+
+def describe(scene: Scene) -> str:
+    """The reasoning of an image answer: every shape and where it is, then any text."""
+    parts = [f"{_a(shape.colour)} {shape.kind} {_where(shape.position)}" for shape in scene.shapes]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    count = len(scene.shapes)
+    text = f"I see {count} shape{'s' if count > 1 else ''}: {listed}."
+    if scene.text is not None and scene.text_cell is not None:
+        text += f' "{scene.text}" is written {_where(POSITIONS[scene.text_cell])}.'
+    return text
+
+
+def _outline(kind: str, center: tuple[float, float], radius: float) -> list[tuple[float, float]]:
+    """The polygon of a shape other than a circle."""
+    x, y = center
+    if kind == "square":
+        half = radius * 0.85
+        return [(x - half, y - half), (x + half, y - half), (x + half, y + half),
+                (x - half, y + half)]
+    corners = {"triangle": 3, "diamond": 4, "hexagon": 6, "star": 10}[kind]
+    points = []
+    for index in range(corners):
+        angle = -math.pi / 2 + 2 * math.pi * index / corners
+        reach = radius * 0.45 if kind == "star" and index % 2 else radius
+        points.append((x + reach * math.cos(angle), y + reach * math.sin(angle)))
+    return points
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, colour: str, center: tuple[float, float],
+                radius: float) -> None:
+    fill = COLOURS[colour]
+    if kind == "circle":
+        x, y = center
+        draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=fill)
+    else:
+        draw.polygon(_outline(kind, center, radius), fill=fill)
+
+
+@functools.cache
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    return ImageFont.load_default(size=size)
+
+
+def draw_scene(scene: Scene) -> Image.Image:
+    image = Image.new("RGB", (scene.size, scene.size), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for shape in scene.shapes:
+        _draw_shape(draw, shape.kind, shape.colour, shape.center, shape.radius)
+    if scene.text is not None and scene.text_cell is not None:
+        cell = scene.size / 3
+        row, column = scene.text_cell
+        center = ((column + 0.5) * cell, (row + 0.5) * cell)
+        size = int(cell * (0.55 if scene.text.isdigit() else 0.32))
+        draw.text(center, scene.text, fill=TEXT_COLOUR, font=_font(size), anchor="mm")
+    return image
+
+
+def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bool,
+                 size: int = IMAGE_SIZE) -> Scene:
+    """`shape_count` shapes (1 to 8) in distinct cells, no two of the same colour and kind."""
+    if not 1 <= shape_count <= 8:
+        raise ValueError(f"shape_count must be 1 to 8 (one cell is kept for text), got "
+                         f"{shape_count}")
+    cells = rng.sample(sorted(POSITIONS), shape_count + 1)
+    pairs = rng.sample([(kind, colour) for kind in SHAPES for colour in COLOURS], shape_count)
+    cell_size = size / 3
+    shapes = []
+    for (kind, colour), (row, column) in zip(pairs, cells):
+        jitter = int(cell_size / 8)
+        center = (int((column + 0.5) * cell_size) + rng.randint(-jitter, jitter),
+                  int((row + 0.5) * cell_size) + rng.randint(-jitter, jitter))
+        radius = rng.randint(int(cell_size * 0.22), int(cell_size * 0.3))
+        shapes.append(Shape(kind, colour, (row, column), center, radius))
+    text = None
+    if with_text:
+        text = str(rng.randint(0, 9)) if rng.random() < 0.5 else rng.choice(
+            split_items(WORDS, split))
+    return Scene(tuple(shapes), text, cells[-1] if with_text else None, size)
+
+
+def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -> ImageCase:
+    """A picture and a question of `kind` (one of IMAGE_KINDS; random when None)."""
+    kind = kind or rng.choice(IMAGE_KINDS)
+    if kind not in IMAGE_KINDS:
+        raise ValueError(f"kind must be one of {IMAGE_KINDS}, got {kind!r}")
+    shape_count = 1 if kind in ("colour", "shape") else rng.randint(1, 5)
+    with_text = kind == "read" or rng.random() < 0.3
+    scene = sample_scene(rng, split, shape_count, with_text)
+    template = rng.choice(split_items(IMAGE_QUESTIONS[kind], split))
+    target = rng.choice(scene.shapes)
+    question = template.format(colour=target.colour, shape=target.kind)
+    answer = {"colour": target.colour, "shape": target.kind, "count": str(shape_count),
+              "position": target.position, "read": scene.text or ""}[kind]
+    return ImageCase(kind, question, answer, scene, draw_scene(scene))
+
+
+def draw_video(shape: str, colour: str, direction: str, start: tuple[int, int], step: int,
+               radius: int, frames: int = VIDEO_FRAMES, size: int = VIDEO_SIZE) -> np.ndarray:
+    """Frames of one shape moving `step` pixels per frame in `direction`."""
+    dx, dy = DIRECTIONS[direction]
+    video = np.empty((frames, size, size, 3), dtype=np.uint8)
+    for index in range(frames):
+        image = Image.new("RGB", (size, size), BACKGROUND)
+        center = (start[0] + dx * step * index, start[1] + dy * step * index)
+        _draw_shape(ImageDraw.Draw(image), shape, colour, center, radius)
+        video[index] = np.asarray(image)
+    return video
+
+
+def sample_video_case(rng: random.Random, split: str, kind: str | None = None) -> VideoCase:
+    """A clip of one moving shape and a question of `kind` (one of VIDEO_KINDS)."""
+    kind = kind or rng.choice(VIDEO_KINDS)
+    if kind not in VIDEO_KINDS:
+        raise ValueError(f"kind must be one of {VIDEO_KINDS}, got {kind!r}")
+    shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
+    direction = rng.choice(sorted(DIRECTIONS))
+    radius = rng.randint(8, 12)
+    step = rng.randint(4, 8)
+    travel = step * (VIDEO_FRAMES - 1)
+    # Start where the whole path stays inside the frame; the other axis is free.
+    margin = radius + 1
+    along = rng.randint(margin, VIDEO_SIZE - margin - travel)
+    across = rng.randint(margin, VIDEO_SIZE - margin)
+    dx, dy = DIRECTIONS[direction]
+    if dx:
+        start = (along if dx > 0 else VIDEO_SIZE - along, across)
+    else:
+        start = (across, along if dy > 0 else VIDEO_SIZE - along)
+    question = rng.choice(split_items(VIDEO_QUESTIONS[kind], split))
+    answer = {"direction": direction, "shape": shape, "colour": colour}[kind]
+    frames = draw_video(shape, colour, direction, start, step, radius)
+    return VideoCase(kind, question, answer, shape, colour, direction, frames)

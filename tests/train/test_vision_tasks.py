@@ -1,0 +1,138 @@
+"""Synthetic pictures and clips: deterministic, split apart, answers that match the pixels."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from muse.tokenizer import MuseTokenizer
+from muse.train.data import vision_tasks
+from muse.train.data.split import HELD_OUT, TRAIN, split_items
+from muse.train.data.vision_tasks import (COLOURS, IMAGE_KINDS, IMAGE_QUESTIONS, POSITIONS,
+                                          VIDEO_KINDS, VIDEO_QUESTIONS, sample_image_case,
+                                          sample_video_case)
+
+
+def _colour_masks(pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """Where each palette colour is, exactly (shapes are drawn without antialiasing)."""
+    masks = {name: np.all(pixels == rgb, axis=-1) for name, rgb in COLOURS.items()}
+    return {name: mask for name, mask in masks.items() if mask.any()}
+
+
+def _cell(mask: np.ndarray) -> tuple[int, int]:
+    rows, columns = np.nonzero(mask)
+    third = mask.shape[0] / 3
+    return int(rows.mean() // third), int(columns.mean() // third)
+
+
+def test_cases_are_deterministic_per_seed() -> None:
+    def draw(seed: int):
+        rng = random.Random(seed)
+        return ([sample_image_case(rng, TRAIN) for _ in range(30)],
+                [sample_video_case(rng, TRAIN) for _ in range(10)])
+
+    (images, videos), (images_again, videos_again) = draw(4), draw(4)
+    assert images == images_again and videos == videos_again
+    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(videos, videos_again))
+    assert draw(5)[0] != images
+
+
+@pytest.mark.parametrize("templates", [*IMAGE_QUESTIONS.values(), *VIDEO_QUESTIONS.values()])
+def test_each_kind_has_ten_phrasings_split_apart(templates: tuple[str, ...]) -> None:
+    train, held_out = split_items(templates, TRAIN), split_items(templates, HELD_OUT)
+    assert len(templates) >= 10 and train and held_out and not set(train) & set(held_out)
+
+
+def test_questions_come_from_their_split() -> None:
+    rng = random.Random(6)
+    for split in (TRAIN, HELD_OUT):
+        for kind in IMAGE_KINDS:
+            for _ in range(20):
+                case = sample_image_case(rng, split, kind)
+                allowed = {template.format(colour=shape.colour, shape=shape.kind)
+                           for template in split_items(IMAGE_QUESTIONS[kind], split)
+                           for shape in case.scene.shapes}
+                assert case.question in allowed
+                if kind == "read" and not case.answer.isdigit():
+                    assert case.answer in split_items(vision_tasks.WORDS, split)
+        for kind in VIDEO_KINDS:
+            case = sample_video_case(rng, split, kind)
+            assert case.question in split_items(VIDEO_QUESTIONS[kind], split)
+
+
+@pytest.mark.parametrize("kind", ["colour", "shape"])
+def test_a_lone_shape_has_the_answered_colour(kind: str) -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        case = sample_image_case(rng, TRAIN, kind)
+        masks = _colour_masks(np.asarray(case.image))
+        (shape,) = case.scene.shapes
+        assert list(masks) == [shape.colour]
+        assert case.answer == (shape.colour if kind == "colour" else shape.kind)
+
+
+def test_counts_and_positions_match_the_pixels() -> None:
+    rng = random.Random(8)
+    for kind in ("count", "position"):
+        for _ in range(40):
+            case = sample_image_case(rng, TRAIN, kind)
+            masks = _colour_masks(np.asarray(case.image))
+            blobs = sum(ndimage.label(mask)[1] for mask in masks.values())
+            assert blobs == len(case.scene.shapes)
+            if kind == "count":
+                assert case.answer == str(blobs)
+                continue
+            colour, shape = next((s.colour, s.kind) for s in case.scene.shapes
+                                 if f"{s.colour} {s.kind}" in case.question)
+            labels, _ = ndimage.label(masks[colour])
+            found = {POSITIONS[_cell(labels == index)] for index in range(1, labels.max() + 1)}
+            # The shape asked about is the only one of its colour and kind.
+            target = next(s for s in case.scene.shapes if (s.colour, s.kind) == (colour, shape))
+            assert case.answer == target.position and case.answer in found
+
+
+def test_written_text_is_drawn_in_its_cell() -> None:
+    rng = random.Random(9)
+    for _ in range(30):
+        case = sample_image_case(rng, TRAIN, "read")
+        pixels = np.asarray(case.image)
+        dark = np.all(pixels < 100, axis=-1)
+        assert case.answer == case.scene.text and dark.any()
+        assert POSITIONS[_cell(dark)] == POSITIONS[case.scene.text_cell]
+
+
+def test_motion_matches_the_frames() -> None:
+    rng = random.Random(10)
+    for _ in range(40):
+        case = sample_video_case(rng, TRAIN)
+        frames = case.frames
+        assert frames.dtype == np.uint8 and frames.shape == (vision_tasks.VIDEO_FRAMES,
+                                                              vision_tasks.VIDEO_SIZE,
+                                                              vision_tasks.VIDEO_SIZE, 3)
+        centroids = []
+        for frame in frames:
+            (colour,) = _colour_masks(frame)
+            assert colour == case.colour
+            rows, columns = np.nonzero(np.all(frame == COLOURS[colour], axis=-1))
+            centroids.append((columns.mean(), rows.mean()))
+        dx, dy = np.subtract(centroids[-1], centroids[0])
+        moved = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else \
+            ("down" if dy > 0 else "up")
+        assert moved == case.direction
+        assert case.answer == {"direction": case.direction, "shape": case.shape,
+                               "colour": case.colour}[case.kind]
+
+
+def test_rendered_chat_has_the_media_placeholder() -> None:
+    tokenizer = MuseTokenizer.base()
+    rng = random.Random(11)
+    image_case, video_case = sample_image_case(rng, TRAIN), sample_video_case(rng, TRAIN)
+    image_text = tokenizer.apply_chat_template(image_case.messages())
+    assert f"<|image_start|><|image|><|image_end|>{image_case.question}<|end|>" in image_text
+    assert image_text.endswith(f"</think>{image_case.answer}<|end|>\n")
+    video_text = tokenizer.apply_chat_template(video_case.messages())
+    assert f"<|video_start|><|video|><|video_end|>{video_case.question}" in video_text
+    assert video_text.endswith(f"</think>{video_case.answer}<|end|>\n")
