@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-SECTIONS = ("arithmetic", "tools", "instructions", "python")
+# `unseen_tools` runs only when asked for (`--sections unseen_tools`): not by default.
+SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools")
+DEFAULT_SECTIONS = ("arithmetic", "tools", "instructions", "python")
 
 
 @dataclass
 class EvalSettings:
-    num: int = 200  # problems per category (operation x digits, tool requests, instruction kind)
+    num: int = 200  # problems per category (operation x digits, tool requests, instruction
+    # kind; unseen-tool cases in all)
     seed: int = 1
-    sections: tuple[str, ...] = SECTIONS
+    sections: tuple[str, ...] = DEFAULT_SECTIONS
     max_tokens: int = 512  # cap on any reply (each also gets a budget from its right answer)
     max_digits: int = 4
     python_files: int = 40
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the results to this JSON file (default: none)")
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="chooses which held-out problems are asked")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated, among {', '.join(SECTIONS)}")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
                         help="cap on any reply, which also gets a budget from its right answer")

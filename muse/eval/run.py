@@ -21,6 +21,8 @@ from muse.eval.instructions import evaluate_instructions
 from muse.eval.options import EvalSettings
 from muse.eval.python_loss import evaluate_python
 from muse.eval.tools import evaluate_tools
+from muse.eval.unseen_tools import MEASURES as UNSEEN_TOOLS_MEASURES
+from muse.eval.unseen_tools import evaluate_unseen_tools
 from muse.llm import LLM
 from muse.train.data import arithmetic, instructions
 
@@ -31,6 +33,9 @@ ACCEPTANCE_BARS: dict[str, float] = {
     "tools.valid": 0.95,
     "tools.correct": 0.90,
     "replies.ends_with_end_of_turn": 1.0,
+    # Tools never seen in training (the v2 model's targets; `--sections unseen_tools`).
+    "unseen_tools.valid": 0.90,
+    "unseen_tools.right": 0.85,
 }
 
 
@@ -57,6 +62,9 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
                                            progress)
     if "instructions" in settings.sections:
         sections["instructions"] = evaluate_instructions(llm, settings.num, settings.seed,
+                                                         settings.max_tokens, progress)
+    if "unseen_tools" in settings.sections:
+        sections["unseen_tools"] = evaluate_unseen_tools(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
     replies = [reply for section in sections.values() for reply in section.replies]
     for name, section in sections.items():
@@ -134,6 +142,13 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append("instructions, exact match (count)")
         for kind in instructions.KINDS:
             lines.append(f"  {kind:31s}" + _cell(report["instructions"].get(kind)).rjust(16))
+    if "unseen_tools" in report:
+        unseen = report["unseen_tools"]
+        lines.append(f"unseen tools ({unseen['count']} held-out cases)".ljust(33) + "".join(
+            measure.rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
+        for kind, cell in [*unseen["by_kind"].items(), ("all", unseen)]:
+            lines.append(f"  {kind} ({cell['count']})".ljust(33) + "".join(
+                f"{cell[measure]:.3f}".rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
     if "replies" in report:
         replies = report["replies"]
         lines.append(f"replies ({replies['count']}): end with <|end|> "

@@ -23,19 +23,32 @@ from muse.train.data.split import HELD_OUT
 DRAWS_PER_CASE = 50
 
 
+def single_call(reply: Reply) -> dict[str, Any] | None:
+    """The reply's one tool call as a JSON object; None unless it makes exactly one call
+    and that call parses to an object."""
+    calls = reply.parsed_tool_calls()
+    return calls[0] if len(calls) == 1 and isinstance(calls[0], dict) else None
+
+
+def call_is_valid(call: dict[str, Any] | None, offered: list[dict[str, Any]]) -> bool:
+    """Whether `call` has exactly the keys name and arguments, names an offered tool and
+    its arguments satisfy that tool's parameter schema."""
+    if call is None:
+        return False
+    schemas = {schema["function"]["name"]: schema["function"] for schema in offered}
+    name, arguments = call.get("name"), call.get("arguments")
+    return (set(call) == {"name", "arguments"} and isinstance(name, str) and name in schemas
+            and isinstance(arguments, dict)
+            and not schema_errors(arguments, schemas[name]["parameters"]))
+
+
 def check_call(reply: Reply, offered: list[dict[str, Any]], case: tools.ToolCase
                ) -> tuple[bool, bool]:
     """(valid, correct) of the reply's tool call."""
-    calls = reply.parsed_tool_calls()
-    if len(calls) != 1 or not isinstance(calls[0], dict):
-        return False, False
-    call = calls[0]
-    schemas = {schema["function"]["name"]: schema["function"] for schema in offered}
-    name, arguments = call.get("name"), call.get("arguments")
-    valid = (set(call) == {"name", "arguments"} and name in schemas
-             and isinstance(arguments, dict)
-             and not schema_errors(arguments, schemas[name]["parameters"]))
-    return valid, valid and name == case.name and arguments == case.arguments
+    call = single_call(reply)
+    valid = call_is_valid(call, offered)
+    return valid, (valid and call is not None and call["name"] == case.name
+                   and call["arguments"] == case.arguments)
 
 
 def held_out_cases(rng: random.Random, num: int) -> list[tools.ToolCase]:
