@@ -142,7 +142,9 @@ class LLM:
             for prompt, params in zip(prompts, sampling_params):
                 text, ids = self._prompt_ids(prompt)
                 group_id = str(next(self._ids))
-                samples = self.engine.add_request(group_id, ids, params)
+                media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                samples = self.engine.add_request(group_id, ids, params, media) if media \
+                    else self.engine.add_request(group_id, ids, params)
                 groups[group_id] = _Group(text, samples,
                                           [self._detokenizer(params, thinking) for _ in samples],
                                           thinking)

@@ -11,6 +11,8 @@ process, beside the driver of rank 0; the forward passes run on every rank at on
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from muse.engine.args import EngineArgs
@@ -41,12 +43,13 @@ class DataParallelEngine:
                 for group, samples in replica.requests.items()}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[Request]:
+                    params: SamplingParams,
+                    multi_modal_data: dict[str, Any] | None = None) -> list[Request]:
         if request_id in self.owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=lambda r: len(r.requests))
-        samples = replica.add_request(request_id, prompt_token_ids, params)
+        samples = replica.add_request(request_id, prompt_token_ids, params, multi_modal_data)
         self.owner[request_id] = replica
         return samples
 

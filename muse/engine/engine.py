@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,10 @@ from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
+from muse.multimodal.encoder_cache import EncoderCache
+from muse.multimodal.engine_inputs import DEFAULT_ENCODER_CACHE_BYTES, build_media_encoders
+from muse.multimodal.processor import KINDS as MEDIA_KINDS
+from muse.multimodal.processor import MuseSparkProcessor, ProcessorError
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.draft_kv import draft_block_bytes
 from muse.speculative.metrics import SpecDecodingStats
@@ -195,6 +200,12 @@ class EngineCore:
         self.config = self.model_config.text_config
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
+        # A preset with a vision or audio config gets seeded random encoders beside its
+        # decoder; a checkpoint's encoder weights are not loaded yet, so it takes no media.
+        self.encoders = build_media_encoders(self.model_config, args.seed, self.dtype,
+                                             self.device) \
+            if args.model in PRESETS and self.world_size == 1 else None
+        self._processor: MuseSparkProcessor | None = None
         self.eos_token_ids = tuple(self.config.eos_token_ids)
         if self.speculative is not None:
             self.proposer = make_proposer(self.speculative, self.model, args, self.device,
@@ -226,7 +237,9 @@ class EngineCore:
                                    lambda request: self.kv_cache.block_tables(request),
                                    self.device)
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             self._graphs(kv_caches))
+                             self._graphs(kv_caches), self.encoders,
+                             EncoderCache(DEFAULT_ENCODER_CACHE_BYTES)
+                             if self.encoders is not None else None)
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
@@ -409,14 +422,22 @@ class EngineCore:
             (params.seed * 1_000_003 + index) % 2**63)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[Request]:
+                    params: SamplingParams,
+                    multi_modal_data: dict[str, Any] | None = None) -> list[Request]:
         """Validate and queue a request; its `n` samples share the prompt's KV.
+
+        `multi_modal_data` (vLLM's shape): {"image": [...], "video": [...], "audio": [...]},
+        one item (or a list) per kind, the k-th of a kind for the prompt's k-th placeholder of
+        that kind; the prompt's placeholders are expanded (`muse.multimodal.processor`).
 
         A constrained request whose grammar is not cached waits, unscheduled, while its
         grammar compiles beside the loop; a compile that fails later fails it from `step`."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
+        media: list = []
+        if multi_modal_data:
+            prompt_token_ids, media = self._process_media(prompt_token_ids, multi_modal_data)
         validate_prompt(prompt_token_ids, self.config.vocab_size, self.max_model_len)
         params.validate(self.config.vocab_size)
         spec = params.structured_output
@@ -432,13 +453,38 @@ class EngineCore:
                 prompt_token_ids=list(prompt_token_ids), params=params,
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
-                generator=self._generator(params, index)))
+                generator=self._generator(params, index), media=media))
         self.requests[request_id] = samples
         if spec is not None and compiled is None:
             self.grammar_waiting[request_id] = self.grammar_jobs.submit(spec)
         else:
             self._queue(samples, compiled)
         return samples
+
+    def _process_media(self, prompt_token_ids: list[int], data: dict[str, Any]
+                       ) -> tuple[list[int], list]:
+        """The expanded prompt ids and the processed media items of a request."""
+        if self.encoders is None:
+            raise InvalidRequestError(
+                "this engine takes no media: the model has no vision or audio encoder, or its "
+                "encoders are not loaded (checkpoint encoders and several ranks are not "
+                "supported yet)", param="multi_modal_data")
+        unknown = sorted(set(data) - set(MEDIA_KINDS))
+        if unknown:
+            raise InvalidRequestError(f"multi_modal_data keys must be among {list(MEDIA_KINDS)}; "
+                                      f"got {unknown}", param="multi_modal_data")
+        if self._processor is None:
+            self._processor = MuseSparkProcessor(self.model_config, tokenizer=self.tokenizer)
+        # One item (an array is one clip or one image, not a list) or a list of them.
+        items = {kind: [] if data.get(kind) is None else data[kind] for kind in MEDIA_KINDS}
+        items = {kind: list(value) if isinstance(value, (list, tuple)) else [value]
+                 for kind, value in items.items()}
+        try:
+            out = self._processor(prompt_token_ids, images=items["image"],
+                                  videos=items["video"], audios=items["audio"])
+        except ProcessorError as error:
+            raise InvalidRequestError(str(error), param="multi_modal_data") from None
+        return out.input_ids, out.media
 
     def _queue(self, samples: list[Request], compiled) -> None:
         """Hand a request to the scheduler, each sample with its own matcher if constrained."""

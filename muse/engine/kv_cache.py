@@ -6,9 +6,10 @@ in every layer of that kind. Block 0 of each pool is the null block: it is never
 fills table entries a sliding layer no longer needs.
 
 Prefix cache: every full block is keyed by (key of the previous block, its token ids), so a key
-names a whole prefix. A block whose last user leaves keeps its key and stays in the pool's free
-list (least recently freed first out) until it is reused, so a later request with the same
-prefix can take it back.
+names a whole prefix; a block that holds media tokens adds the content hashes of those items.
+A block whose last user leaves keeps its key and stays in the pool's free list (least
+recently freed first out) until it is reused, so a later request with the same prefix can
+take it back.
 
 When a cached prefix of `P` tokens may be reused (`P` a multiple of the block size, and at most
 prompt length - 1 so at least one token is computed to give logits):
@@ -25,9 +26,12 @@ from dataclasses import dataclass, field
 
 from muse.config import SLIDING
 from muse.engine.request import Request
+from muse.multimodal.engine_inputs import block_media_hashes
 
 NULL_BLOCK = 0
-BlockKey = tuple  # (hash of the previous block's key, token ids of this block)
+# (hash of the previous block's key, token ids of this block[, content hashes of the media
+# items whose spans meet the block])
+BlockKey = tuple
 
 
 @dataclass
@@ -128,9 +132,12 @@ class KVCacheManager:
         keys = blocks.keys
         for index in range(len(keys), num_tokens // self.block_size):
             parent = hash(keys[-1]) if keys else None
-            chunk = tuple(request.token_ids(index * self.block_size,
-                                            (index + 1) * self.block_size))
-            keys.append((parent, chunk))
+            start, end = index * self.block_size, (index + 1) * self.block_size
+            chunk = tuple(request.token_ids(start, end))
+            media = block_media_hashes(request.media, start, end) if request.media else ()
+            # Media tokens are the same placeholder ids for any content: their items'
+            # content hashes join the key, so only the same media share a block.
+            keys.append((parent, chunk, media) if media else (parent, chunk))
         return num_tokens // self.block_size
 
     def _state(self, request: Request) -> RequestBlocks:

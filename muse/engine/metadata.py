@@ -37,6 +37,9 @@ class HostBatch:
     tables: dict[str, list[list[int]]] = field(default_factory=dict)
     first_blocks: dict[str, list[int]] = field(default_factory=dict)
     dp_num_tokens: list[int] | None = None  # see BatchMetadata
+    # Encoder rows that replace some of the step's token embeddings
+    # (`muse.multimodal.engine_inputs.MediaSlice`); a step with any runs eagerly.
+    media: list = field(default_factory=list)
 
     @classmethod
     def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1,

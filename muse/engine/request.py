@@ -79,6 +79,9 @@ class Request:
     # spec_token_ids only placeholders of their count (the step's inputs take the real ones
     # on the device, and the verified tokens come back with the step's result).
     spec_token_device: tuple[torch.Tensor, int] | None = None
+    # Images, video and audio of the prompt (`muse.multimodal.processor.ProcessedMedia`):
+    # `prompt_token_ids` are the processor's expanded ids, each item's spans in them.
+    media: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -13,6 +13,7 @@ from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
+from muse.multimodal.engine_inputs import MediaSlice, media_slices
 from muse.speculative.sampling import VerifiedDrafts, sample_with_drafts
 from muse.model.decoder import EngineModel
 
@@ -131,6 +132,7 @@ class ModelRunner:
         device_drafts: list[tuple[int, int, int]] = []
         draft_rows: list[int] = []
         draft_tensor = None
+        media: list[MediaSlice] = []  # encoder rows this step scatters into its inputs
         offset = 0
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -161,10 +163,13 @@ class ModelRunner:
                     request.params, request.prompt_token_ids, request.output_token_ids,
                     request.eos_token_ids, request.generator, request.grammar,
                     request.num_pending_tokens))
+            if request.media:
+                media += media_slices(request.media, start, end, offset)
             offset += item.num_new_tokens
         prepared.first_sample = len(prepared.logits_rows)
         prepared.logits_rows.extend(sample_index)
         prepared.batch = self._host_batch(scheduled)
+        prepared.batch.media = media
         if self.step_encoder is not None:
             prepared.delta = self.step_encoder.encode_bytes(scheduled,
                                                             self.kv_cache.block_tables)

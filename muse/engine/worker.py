@@ -22,6 +22,8 @@ from muse.engine.metadata import HostBatch
 from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import ContextParallelMetadata
 from muse.model.decoder import EngineModel
+from muse.multimodal.encoder_cache import EncoderCache
+from muse.multimodal.engine_inputs import MediaEncoders, scatter_media
 
 # Input positions still on the device (sampled by the step before and not read back, or
 # drafts left there by the drafter), and the rows of the tensor that holds them.
@@ -31,8 +33,13 @@ PendingInputs = tuple[list[int], list[int]]
 class ModelWorker:
     def __init__(self, model: EngineModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, block_size: int,
-                 graphs: list[DecodeGraphs] | None = None) -> None:
+                 graphs: list[DecodeGraphs] | None = None,
+                 encoders: MediaEncoders | None = None,
+                 encoder_cache: EncoderCache | None = None) -> None:
         self.model = model
+        # The image / audio encoders (when the model has them) and the cache of their outputs.
+        self.encoders = encoders
+        self.encoder_cache = encoder_cache
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
@@ -97,6 +104,9 @@ class ModelWorker:
                 previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows, on
         the first and the last pipeline stage (None on the stages between)."""
+        if batch.media:
+            return self._logits(self._forward_media(batch, pending, previous_tokens),
+                                logits_rows)
         if get_pp_group().world_size > 1:
             return self._execute_stage(batch, logits_rows)
         return self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
@@ -186,6 +196,18 @@ class ModelWorker:
         input_ids, meta = batch.to_device(self.device, self.block_size)
         self._fill_pending(input_ids, pending, previous_tokens)
         return self.model(input_ids, meta, self.kv_caches)
+
+    def _forward_media(self, batch: HostBatch, pending: PendingInputs,
+                       previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """A step with media tokens, eagerly: the token embeddings with the encoder rows of
+        the step's media slices written over theirs (one rank only)."""
+        if self.encoders is None or self.encoder_cache is None:
+            raise RuntimeError("a step with media reached a worker without encoders")
+        input_ids, meta = batch.to_device(self.device, self.block_size)
+        self._fill_pending(input_ids, pending, previous_tokens)
+        embeds = scatter_media(self.model.model.embed_tokens(input_ids), batch.media,
+                               self.encoders, self.encoder_cache)
+        return self.model(input_ids, meta, self.kv_caches, inputs_embeds=embeds)
 
     def _forward_context_parallel(self, batch: HostBatch) -> torch.Tensor:
         """Prefill context parallelism: this rank runs a contiguous slice of the step's tokens
