@@ -46,6 +46,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One key tile of a flash-attention loop: scores s [M, N] (log2-scaled, masked keys at
+    -inf, at least one finite per row) folded into the running max m_i, sum l_i and output
+    acc [M, D] with the tile's values v [N, D]; returns the new (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   BLOCK_SIZE: tl.constexpr):
@@ -122,13 +135,8 @@ def _decode_kernel(
         k, v = k.to(q.dtype), v.to(q.dtype)  # exact from FP8; a no-op otherwise
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        # Every iteration has at least one valid key (start < hi), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Every iteration has at least one valid key (start < hi).
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
 

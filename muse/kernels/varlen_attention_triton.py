@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.paged_attention_triton import online_softmax_step
 from muse.kernels.varlen_attention import check_varlen_inputs
 
 # Scores are kept in base 2 (the scale is multiplied by log2(e)) so the kernel can use exp2.
@@ -55,14 +56,8 @@ def _varlen_attention_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(key_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one real key (the loop stops at `length`), so m_new is
-        # finite and exp2 never sees -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Every tile holds at least one real key (the loop stops at `length`).
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / l_i[:, None]
     out_offsets = (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]

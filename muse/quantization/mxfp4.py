@@ -33,18 +33,12 @@ from torch import nn
 
 from muse.checkpoint.layout import CheckpointError
 from muse.layers.quantization import WeightLoader, new_parameter
-from muse.kernels.w4a16 import Fp4Weight, e8m0_to_float32, unpack_e2m1
+from muse.kernels.w4a16 import Fp4Weight
 from muse.quantization.common import Fp4LinearMethod, Fp4MoEMethod, expert_param, moe_tags
 
 GROUP = 32
 E8M0_BIAS = 127
 LAYOUTS = ("compressed-tensors", "gpt-oss")
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [..., out, in] from packed values [..., out, in / 2] and E8M0 group scales
-    [..., out, in / 32]."""
-    return unpack_e2m1(packed) * e8m0_to_float32(scales).repeat_interleave(GROUP, dim=-1)
 
 
 def _check_groups(width: int, what: str) -> None:

@@ -32,20 +32,12 @@ import torch
 from torch import nn
 
 from muse.kernels.moe_align import PairReduce
-from muse.kernels.w4a16 import Fp4Weight, unpack_e2m1
+from muse.kernels.w4a16 import Fp4Weight
 from muse.layers.quantization import WeightLoader, new_parameter
 from muse.quantization.common import (Fp4LinearMethod, Fp4MoEMethod, QuantOptions,
                                       current_quant_options, expert_param, moe_tags, row_scales)
 from muse.quantization.fp4_activations import (BLOCK, fake_quantize_nvfp4,
                                                fused_experts_emulated, global_divisor)
-
-
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
-                     row_factor: torch.Tensor) -> torch.Tensor:
-    """float32 [..., out, in] from packed [..., out, in / 2], block scales [..., out, in / 16]
-    and each row's per-tensor factor [..., out, 1]."""
-    blocks = block_scale.to(torch.float32).repeat_interleave(BLOCK, dim=-1)
-    return unpack_e2m1(packed) * blocks * row_factor
 
 
 class Nvfp4Layout:

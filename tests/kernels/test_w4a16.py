@@ -2,7 +2,7 @@
 written out bit by bit.
 
 Three layers of checks: the twin's dequantization equals an independent one (a float64
-bit-level decode, and `muse.quantization.nvfp4.dequantize_nvfp4`); the Triton GEMM with the
+bit-level decode, and `tests.quantization.dequantize.nv_dequantize`); the Triton GEMM with the
 identity as activations returns the twin's rounded weight bit for bit (every nibble, sign and
 scale lands where it should); and random GEMMs and fused-experts calls agree with the twins to
 GEMM tolerance. Sizes are small: the kernels run under Triton's interpreter on CPU.
@@ -36,7 +36,7 @@ from muse.kernels.w4a16 import (  # noqa: E402
 )
 from muse.kernels.w4a16_triton import LinearTiles, choose_tiles, split_for  # noqa: E402
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
-from muse.quantization.nvfp4 import dequantize_nvfp4  # noqa: E402
+from tests.quantization.dequantize import nv_dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.kernels.graph_capture import capture  # noqa: E402
 from tests.kernels.test_moe import _OpLog, _record_launches  # noqa: E402
@@ -143,8 +143,8 @@ def test_dequantize_matches_bitwise_decode(fmt: str, experts: int | None) -> Non
     expected = bitwise_dequantize(weight)
     assert torch.equal(weight.dequantize().cpu(), expected)
     if fmt == "nvfp4":
-        assert torch.equal(dequantize_nvfp4(weight.packed, weight.scales,
-                                            weight.row_factor).cpu(), expected)
+        assert torch.equal(nv_dequantize(weight.packed.cpu(), weight.scales.cpu(),
+                                         weight.row_factor.cpu()), expected)
 
 
 def test_dequantize_every_code() -> None:

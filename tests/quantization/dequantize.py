@@ -29,6 +29,12 @@ def fp4_values(packed: torch.Tensor) -> torch.Tensor:
                        dim=-1).flatten(-2)
 
 
+def nv_dequantize(packed: torch.Tensor, block_scale: torch.Tensor,
+                  row_factor: torch.Tensor) -> torch.Tensor:
+    """NVFP4: fp4 * the block's E4M3 scale * each row's per-tensor factor [..., out, 1]."""
+    return fp4_values(packed) * block_scale.float().repeat_interleave(16, -1) * row_factor
+
+
 def mx_dequantize(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     scales = torch.pow(2.0, exponents.to(torch.float32) - 127)
     return fp4_values(packed) * scales.repeat_interleave(32, -1)

@@ -13,24 +13,16 @@ from safetensors.torch import load_file
 
 from muse import LLM, SamplingParams
 from muse.cli import main as muse_main
+from muse.kernels.w4a16 import unpack_e2m1
 from muse.presets import SHIPPED_CHECKPOINT
 from muse.quantization.quantize import e2m1_codes, quantize_checkpoint, quantize_nvfp4
-from muse.quantization.nvfp4 import dequantize_nvfp4, unpack_e2m1
 from tests.engine.helpers import assert_same_outputs
-from tests.quantization.ct_checkpoints import (dequantized_copy, tiny_qwen3_moe,
-                                               write_quantized_checkpoint)
+from tests.quantization.ct_checkpoints import dequantized_copy, write_quantized_checkpoint
+from tests.quantization.dequantize import nv_dequantize
 
 PROMPTS = [[5, 17, 99, 230, 41, 7, 300], list(range(40, 70))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
 LAYER_1_MLP = r"re:model\.layers\.1\.mlp\..*"
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    model = tiny_qwen3_moe()
-    folder = tmp_path_factory.mktemp("source")
-    model.save_pretrained(folder)
-    return model, folder
 
 
 def engine(path, **args) -> LLM:
@@ -84,8 +76,8 @@ def test_nvfp4_values_round_to_the_nearest_e2m1_value():
         [0.0, 0.0, 0.5, -0.5, 1.0, 3.0, -3.0, 4.0, 6.0, 6.0, -6.0]
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     quantized = quantize_nvfp4(weight)
-    back = dequantize_nvfp4(quantized["weight_packed"], quantized["weight_scale"],
-                            1.0 / quantized["weight_global_scale"])
+    back = nv_dequantize(quantized["weight_packed"], quantized["weight_scale"],
+                         1.0 / quantized["weight_global_scale"])
     # Each block's step is its amax / 6 (to FP8 precision): rounding errs by at most half of
     # the largest gap, 2 steps, plus the scale's own rounding.
     steps = weight.abs().unflatten(-1, (-1, 16)).amax(-1) / 6

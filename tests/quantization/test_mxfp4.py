@@ -31,13 +31,13 @@ from muse.layers.quantization import (UnquantizedFusedMoEMethod, UnquantizedLine
 from muse.presets import tiny
 from muse.quantization.config import (GptOssMxfp4Checkpoint, QuantizedCheckpoint, layout_of,
                                       load_quantization_config)
-from muse.quantization.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod, dequantize_mxfp4
+from muse.quantization.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
 from muse.quantization.quantize import (compressed_tensors_config, quantize_checkpoint,
                                         quantize_mxfp4)
 from tests.engine.helpers import assert_same_outputs
 from tests.layers.common import FakeGroup, as_tp_rank
 from tests.quantization.ct_checkpoints import IGNORE, _UnfusedExperts, tiny_qwen3_moe
-from tests.quantization.dequantize import dequantized_copy, deinterleave
+from tests.quantization.dequantize import deinterleave, dequantized_copy, mx_dequantize
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
@@ -165,7 +165,7 @@ def test_each_tensor_parallel_rank_loads_its_slice_of_a_linear(ct_mxfp4, monkeyp
         process_weights_after_loading(layer)
 
     def full(module: str) -> torch.Tensor:
-        return dequantize_mxfp4(stored[f"{module}.weight_packed"],
+        return mx_dequantize(stored[f"{module}.weight_packed"],
                                 stored[f"{module}.weight_scale"])
 
     widths = {"q": 128, "k": 64, "v": 64}
@@ -325,9 +325,9 @@ def test_each_rank_loads_its_slice_of_mxfp4_experts(monkeypatch, layout, ep, ran
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator)
     down = torch.randn(experts, hidden, inter, generator=generator)
     stored = gpt_oss_experts(gate_up, down)
-    full = {"gate_up": deinterleave(dequantize_mxfp4(stored["gate_up_proj_blocks"].flatten(-2),
+    full = {"gate_up": deinterleave(mx_dequantize(stored["gate_up_proj_blocks"].flatten(-2),
                                                      stored["gate_up_proj_scales"])),
-            "down": dequantize_mxfp4(stored["down_proj_blocks"].flatten(-2),
+            "down": mx_dequantize(stored["down_proj_blocks"].flatten(-2),
                                      stored["down_proj_scales"])}
     use_parallel(monkeypatch, ParallelConfig(tensor_parallel_size=2,
                                              enable_expert_parallel=ep), rank)

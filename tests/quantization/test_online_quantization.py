@@ -11,11 +11,11 @@ from muse.quantization.common import Fp4LinearMethod
 from muse.quantization.fp8 import Fp8LinearMethod
 from muse.quantization.quantize import ONLINE_FORMATS, quantize_checkpoint
 from tests.engine.helpers import assert_same_outputs
-from tests.quantization.test_muse_quantize import PARAMS, PROMPTS, engine, source  # noqa: F401
+from tests.quantization.test_muse_quantize import PARAMS, PROMPTS, engine
 
 
 @pytest.mark.parametrize("form", ONLINE_FORMATS)
-def test_online_quantization_is_the_written_checkpoint(source, tmp_path, form):  # noqa: F811
+def test_online_quantization_is_the_written_checkpoint(source, tmp_path, form):
     _, folder = source
     written = tmp_path / form
     quantize_checkpoint(folder, written, form, progress=False)
@@ -36,7 +36,7 @@ def test_a_preset_quantized_as_it_loads():
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
-def test_formats_that_need_calibration_or_a_quantized_model_are_refused(source, tmp_path):  # noqa: F811,E501
+def test_formats_that_need_calibration_or_a_quantized_model_are_refused(source, tmp_path):
     _, folder = source
     with pytest.raises(ValueError, match="muse quantize"):
         engine(folder, quantization="nvfp4")

@@ -31,7 +31,7 @@ from muse.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
 from muse.quantization.nvfp4 import Nvfp4LinearMethod, Nvfp4MoEMethod
 from muse.quantization.quantize import compressed_tensors_config, quantize_checkpoint
 from tests.engine.helpers import assert_same_outputs
-from tests.quantization.ct_checkpoints import _UnfusedExperts, tiny_qwen3_moe
+from tests.quantization.ct_checkpoints import _UnfusedExperts
 from tests.quantization.dequantize import dequantized_copy
 
 PROMPTS = [[5, 17, 99, 230, 41, 7, 300], [12, 12, 480, 3, 77], list(range(40, 70))]
@@ -40,14 +40,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
                         prompt_logprobs=2)
 LAYER_1_MLP = r"re:model\.layers\.1\.mlp\..*"
 ATTENTION = "model.layers.0.self_attn"
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    model = tiny_qwen3_moe()
-    folder = tmp_path_factory.mktemp("source")
-    model.save_pretrained(folder)
-    return model, folder
 
 
 def prompt_file(directory: Path, prompts: list[list[int]]) -> Path:
