@@ -200,6 +200,13 @@ class AudioConfig:
 
     sample_rate: int = 24000
     samples_per_token: int = 1920
+    # Log-mel front end: STFT frames every `mel_hop_length` samples (10 ms), `mel_n_fft`
+    # samples long, `num_mel_bins` mel bands up to `mel_max_hz`; a token's features are its
+    # samples_per_token / mel_hop_length frames (8) side by side.
+    num_mel_bins: int = 64
+    mel_hop_length: int = 240
+    mel_n_fft: int = 512
+    mel_max_hz: int = 8000
     hidden_size: int = 32
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
@@ -212,6 +219,11 @@ class AudioConfig:
                 _positive_int(getattr(self, f.name), f"audio_config.{f.name}")
         _require(self.hidden_size % self.num_attention_heads == 0, "audio_config.hidden_size",
                  "a multiple of audio_config.num_attention_heads", self.hidden_size)
+        _require(self.samples_per_token % self.mel_hop_length == 0,
+                 "audio_config.samples_per_token", "a multiple of audio_config.mel_hop_length",
+                 self.samples_per_token)
+        _require(self.mel_max_hz <= self.sample_rate // 2, "audio_config.mel_max_hz",
+                 "at most half the sample rate", self.mel_max_hz)
 
 
 @dataclass

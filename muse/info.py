@@ -64,7 +64,8 @@ def vision_parameters(vision: VisionConfig, text_hidden: int) -> int:
 
 
 def audio_parameters(audio: AudioConfig, text_hidden: int) -> int:
-    frame = audio.samples_per_token * audio.hidden_size + audio.hidden_size
+    features = audio.samples_per_token // audio.mel_hop_length * audio.num_mel_bins
+    frame = features * audio.hidden_size + audio.hidden_size
     layers = audio.num_hidden_layers * _encoder_layer_parameters(audio.hidden_size,
                                                                  audio.intermediate_size)
     projector = 2 * audio.hidden_size + audio.hidden_size * text_hidden + text_hidden

@@ -2,7 +2,10 @@
 
 The model is built on the meta device for its parameter names and shapes only; each tensor is
 then drawn, written into the current shard and dropped, so memory stays near one shard however
-large the model is.
+large the model is. A config with `vision_config` / `audio_config` also gets its encoders'
+tensors (`vision_tower.*`, `audio_tower.*`), the very values the engine draws for the preset
+from the same seed (`build_media_encoders`, held whole: encoders are a small part of the model),
+and a `processor_config.json` with the preset's processor settings.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from muse.checkpoint.writer import (
 )
 from muse.config import ConfigError, MuseSparkConfig
 from muse.info import human_bytes, human_count
+from muse.multimodal.engine_inputs import build_media_encoders
+from muse.multimodal.processor import preset_processor_config
 from muse.reference.model import MuseForCausalLM, initial_value
 
 
@@ -58,8 +63,9 @@ def init_random_checkpoint(config: MuseSparkConfig, directory: str | Path, seed:
 
     The tensors equal those of `MuseForCausalLM(config.text_config).init_weights(seed, std)`
     cast to `dtype` (a torch dtype or its name; default: the config's `dtype`): the same seed
-    gives bit-identical files. Raises CheckpointError up front when the folder's disk cannot
-    hold the checkpoint.
+    gives bit-identical files. Encoder tensors, when the config has encoders, equal
+    `build_media_encoders(config, seed, ...)`'s cast to `dtype`. Raises CheckpointError up
+    front when the folder's disk cannot hold the checkpoint.
     """
     directory = Path(directory)
     text = config.text_config
@@ -72,11 +78,21 @@ def init_random_checkpoint(config: MuseSparkConfig, directory: str | Path, seed:
     # the order init_weights draws them, which is what keeps the two bit-identical.
     specs = [TensorSpec(name, tuple(param.shape), dtype)
              for name, param in model.named_parameters()]
+    encoders = build_media_encoders(config, seed, torch.float32, "cpu")
+    encoder_tensors = encoders.state_dict() if encoders is not None else {}
+    specs += [TensorSpec(name, tuple(tensor.shape), dtype)
+              for name, tensor in encoder_tensors.items()]
     _check_disk_space(directory, specs, config)
     generator = torch.Generator().manual_seed(seed)
 
     def produce(spec: TensorSpec) -> torch.Tensor:
+        if spec.name in encoder_tensors:
+            return encoder_tensors[spec.name].to(dtype)
+        # Decoder tensors come first, in the order init_weights draws them.
         return initial_value(spec.name, spec.shape, generator, std).to(dtype)
 
-    return write_checkpoint(directory, config, specs, produce, max_shard_bytes,
-                            tokenizer_from=ASSETS_DIR)
+    written = write_checkpoint(directory, config, specs, produce, max_shard_bytes,
+                               tokenizer_from=ASSETS_DIR)
+    if encoders is not None:
+        preset_processor_config(config.name).save(written)
+    return written

@@ -14,6 +14,8 @@ from muse.engine.args import EngineArgs
 from muse.engine.data_parallel import make_engine
 from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
+from muse.multimodal.media import (AUDIO_PART_TYPES, IMAGE_PART_TYPES, VIDEO_PART_TYPES,
+                                   MediaError, MediaLimits, load_part)
 from muse.outputs import CompletionOutput, RequestOutput
 from muse.presets import default_model
 from muse.reasoning import split_reasoning
@@ -22,6 +24,13 @@ PromptType = Union[str, list[int], dict[str, Any]]
 Message = dict[str, Any]
 # True: a bar when stderr is a terminal; False: none; a tqdm-like factory: always, its way.
 ProgressOption = Union[bool, Callable[..., Any]]
+
+# Content part type -> media kind: parts whose URL or base64 data is fetched and decoded...
+URL_PART_KINDS = {**{t: "image" for t in IMAGE_PART_TYPES},
+                  **{t: "video" for t in VIDEO_PART_TYPES},
+                  **{t: "audio" for t in AUDIO_PART_TYPES}}
+# ...and parts that carry a decoded item (a PIL image, an array, a media.Video / Audio).
+OBJECT_PART_KINDS = {"image_pil": "image", "image": "image", "video": "video", "audio": "audio"}
 
 # A chat reply keeps its think tags through decoding so the reasoning can be split off; the
 # other special tokens stay hidden as `skip_special_tokens` asks.
@@ -200,6 +209,7 @@ class LLM:
              sampling_params: SamplingParams | None = None, tools: list[dict] | None = None,
              add_generation_prompt: bool = True, use_tqdm: ProgressOption = True,
              chat_template_kwargs: dict[str, Any] | None = None,
+             media_limits: MediaLimits | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:
         """Replies to one conversation or a list of them.
 
@@ -208,17 +218,71 @@ class LLM:
         `outputs[i].text` the answer only. `enable_thinking=False` (a template keyword, here
         or in `chat_template_kwargs`) ends the prompt with an empty think block; text the
         model still writes before a `</think>` is then reasoning too.
+
+        Content parts may carry media, as in the OpenAI server: `image_url`, `video_url`,
+        `audio_url` (data:, http(s): or, with `media_limits.allowed_local_media_path`, file:
+        URLs) and `input_audio` (base64), fetched and decoded under `media_limits` (default:
+        `MediaLimits()`); or decoded items, as in vLLM: `{"type": "image_pil", "image_pil":
+        img}` (a PIL image or uint8 [H, W, 3] array), `{"type": "image", "image": ...}`,
+        `{"type": "video", "video": ...}` (uint8 [T, H, W, 3] frames, (frames, timestamps)
+        or a `media.Video`), `{"type": "audio", "audio": ...}` (a float waveform at 24 kHz
+        or a `media.Audio`). They go to the engine as `multi_modal_data`; a part that cannot
+        be used raises a `MediaError` (a ValueError) naming it.
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-            tokenize=True, **template_kwargs)} for conversation in conversations]
+        limits = media_limits or MediaLimits()
+        prompts = []
+        for number, conversation in enumerate(conversations):
+            prefix = f"conversations[{number}]." if len(conversations) > 1 else ""
+            conversation, media = _chat_media(conversation, limits, prefix)
+            prompt: dict[str, Any] = {"prompt_token_ids": self.tokenizer.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=True, **template_kwargs)}
+            if media:
+                prompt["multi_modal_data"] = media
+            prompts.append(prompt)
         # The template only closes the think block when it opens the assistant's turn.
         thinking = bool(template_kwargs.get("enable_thinking", True)) or not add_generation_prompt
         return self._generate(prompts, sampling_params, use_tqdm, thinking=thinking)
+
+
+def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = ""
+                ) -> tuple[list[Message], dict[str, list]]:
+    """The messages with each media part replaced by its placeholder part (`{"type":
+    "image"}`), and the media by kind in prompt order (vLLM's `multi_modal_data`)."""
+    media: dict[str, list] = {}
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in URL_PART_KINDS or kind in OBJECT_PART_KINDS:
+                where = f"{prefix}messages[{i}].content[{j}]"
+                item, kind = _media_item(part, kind, limits, where)
+                media.setdefault(kind, []).append(item)
+                part = {"type": kind}
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return out, media
+
+
+def _media_item(part: dict, part_type: str, limits: MediaLimits, where: str
+                ) -> tuple[Any, str]:
+    """(the decoded item, its kind) of one media part."""
+    if part_type in OBJECT_PART_KINDS:
+        item = part.get(part_type)
+        if item is None:
+            raise MediaError(where, f"a {part_type!r} part needs the item under "
+                                    f"{part_type!r}")
+        return item, OBJECT_PART_KINDS[part_type]
+    return load_part(part, limits, where), URL_PART_KINDS[part_type]
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -104,8 +104,8 @@ def tiny() -> MuseSparkConfig:
 
 def spark_default() -> MuseSparkConfig:
     """The model shipped in checkpoints/: every Muse feature (sliding + global attention, GQA,
-    q/k norm, latent MoE with per-expert norm) at 18.9M parameters (37.8 MB in bf16), small
-    enough to train in minutes on one GPU and to answer on a CPU."""
+    q/k norm, latent MoE with per-expert norm; vision and audio encoders) with an 18.9M
+    decoder, small enough to train in minutes on one GPU and to answer on a CPU."""
     text = TextConfig(
         vocab_size=8192,
         hidden_size=256,
@@ -124,7 +124,23 @@ def spark_default() -> MuseSparkConfig:
         num_shared_experts=0,
         tie_word_embeddings=False,
     )
-    return MuseSparkConfig(text, name="muse-spark-default")
+    # The encoders (version 2): 4 layers each at width 256, ~4M parameters apiece.
+    vision = VisionConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                          intermediate_size=1024)
+    audio = AudioConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024)
+    return MuseSparkConfig(text, vision, audio, name="muse-spark-default")
+
+
+# `processor_config.json` fields a preset's checkpoints get (`muse.multimodal.processor.
+# ProcessorConfig`); the processor's defaults elsewhere. The default model sees every image
+# at about 224 x 224 (16 to 64 tokens) and every video frame at about 112 x 112 (16 tokens a
+# frame group), as it was trained: a model this small does not carry over to other scales.
+PROCESSOR_SETTINGS: dict[str, dict] = {
+    "muse-spark-default": {"min_pixels": 112 * 112, "max_pixels": 224 * 224,
+                           "video_max_pixels": 112 * 112, "max_video_frames": 8,
+                           "video_fps": 2.0},
+}
 
 
 # Shapes of two public models, for speed comparisons (random weights; the engine reads them as

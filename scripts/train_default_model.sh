@@ -1,36 +1,49 @@
 #!/usr/bin/env bash
-# Train the shipped default model (preset muse-spark-default) on one GPU, then evaluate it.
+# Train the shipped default model (preset muse-spark-default: the decoder with its vision and
+# audio encoders) on one GPU, then evaluate it.
 #
 #   scripts/train_default_model.sh OUT [MINUTES] [EVAL_NUM]
 #
-# Run from the repository root, with a python3 that has torch, tokenizers, safetensors, jinja2
-# (and matplotlib for the loss plot); muse itself need not be installed. MINUTES (default 7) is
-# the training budget: the whole command (start-up, training, export, evaluation of EVAL_NUM
-# problems per category, default 200) then fits in about 10 minutes on an H200.
+# Run from the repository root, with a python3 that has torch, tokenizers, safetensors, jinja2,
+# Pillow and soundfile (and matplotlib for the loss plot); muse itself need not be installed.
+# The audio task's clips are synthesized with espeak-ng at start: installed, or unpacked from
+# .espeak/espeak-ng.tar.xz (scripts/bundle_espeak.sh) on a machine that cannot install it.
+# MINUTES (default 7) is the training budget: the whole command (start-up, speech synthesis,
+# training, export, evaluation of EVAL_NUM cases per category, default 100) then fits in
+# about 10 minutes on an H200.
 #
 # The full run folder, optimizer state included, goes to $WORK (default /tmp/muse-default).
 # SEED (default 0) seeds the weights and the data; BATCH_SIZE (default 32) rows of 1024 tokens;
-# LR (default 2e-3) is the peak learning rate.
+# LR (default 2e-3) is the peak learning rate; SHARE (default 0.85) the share of each row
+# given to conversations (Python source fills the rest); CLIPS (default 16000) spoken clips.
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
-# on a fresh machine: the optimizer state does not travel, the 38 MB checkpoint does); give
-# it another SEED so the stage sees new data.
+# on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
+# text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
+# SECTIONS (default: every eval section) picks what `muse eval` runs.
 # OUT receives only small files, at most 16 MiB each:
 #   checkpoint.tar.part-NN   the shippable checkpoint folder muse-spark-default/ (weights,
-#                            config, generation config, tokenizer + chat template, training
-#                            log, loss plot, data manifest, summary), in 15 MiB parts:
-#                            cat OUT/checkpoint.tar.part-* | tar -x -C checkpoints/
+#                            config, processor and generation configs, tokenizer + chat
+#                            template, training log, loss plot, data manifest, summary), in
+#                            15 MiB parts: cat OUT/checkpoint.tar.part-* | tar -x -C checkpoints/
 #   loss.png, train_summary.json, eval.json, run.log
 set -euo pipefail
 
 OUT=${1:?usage: scripts/train_default_model.sh OUT [MINUTES] [EVAL_NUM]}
 MINUTES=${2:-7}
-EVAL_NUM=${3:-200}
+EVAL_NUM=${3:-100}
 PYTHON=${PYTHON:-python3}
 WORK=${WORK:-/tmp/muse-default}
 SEED=${SEED:-0}
 LR=${LR:-2e-3}
 BATCH_SIZE=${BATCH_SIZE:-32}
+SHARE=${SHARE:-0.85}
+CLIPS=${CLIPS:-16000}
+SECTIONS=${SECTIONS:-arithmetic,tools,instructions,python,unseen_tools,vision,video,audio}
 MODEL="$WORK/muse-spark-default"
+if ! command -v espeak-ng >/dev/null; then
+    # shellcheck source=scripts/espeak_env.sh
+    source scripts/espeak_env.sh
+fi
 
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -39,7 +52,7 @@ LOG="$OUT/run.log"
 
 TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$MODEL"
        --batch-size "$BATCH_SIZE" --seq-len 1024 --lr "$LR" --warmup-steps 100 --seed "$SEED"
-       --time-budget-minutes "$MINUTES")
+       --time-budget-minutes "$MINUTES" --conversation-share "$SHARE" --speech-clips "$CLIPS")
 if [ -n "${INIT_FROM:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
 echo "+ ${TRAIN[*]}" | tee "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
@@ -50,6 +63,7 @@ tar -c -C "$WORK" --exclude training_state.pt --exclude '*.partial' muse-spark-d
 cp "$MODEL/train_summary.json" "$OUT/"
 if [ -f "$MODEL/loss.png" ]; then cp "$MODEL/loss.png" "$OUT/"; fi
 
-EVAL=("$PYTHON" -m muse.cli eval "$MODEL" --num "$EVAL_NUM" --json "$OUT/eval.json")
+EVAL=("$PYTHON" -m muse.cli eval "$MODEL" --num "$EVAL_NUM" --sections "$SECTIONS"
+      --json "$OUT/eval.json")
 echo "+ ${EVAL[*]}" | tee -a "$LOG"
 "${EVAL[@]}" 2>&1 | tee -a "$LOG"

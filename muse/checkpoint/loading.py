@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from muse.checkpoint.configs import load_config, model_type_of, read_config_json
-from muse.checkpoint.layout import CheckpointError, format_names
+from muse.checkpoint.layout import CheckpointError, format_names, is_encoder_tensor
 from muse.checkpoint.name_maps import LoadPlan, name_map_for
 from muse.checkpoint.reader import CheckpointReader
 from muse.reference.model import MuseForCausalLM
@@ -41,7 +41,10 @@ def _check_fit(directory: Path, plan: LoadPlan, targets: dict[str, torch.Tensor]
             chosen[canonical] = found
     covered = {name for names in groups.values() for name in names}
     missing = [canonical for canonical in groups if canonical not in chosen] + plan.missing
-    unexpected = [name for name in plan.sources if name not in covered]
+    # A decoder-only module leaves the media encoders' tensors for their own loader.
+    skip_encoders = not any(is_encoder_tensor(name) for name in covered)
+    unexpected = [name for name in plan.sources if name not in covered
+                  and not (skip_encoders and is_encoder_tensor(name))]
     mis_shaped = list(plan.mis_shaped)
     for canonical, source_name in chosen.items():
         expected = tuple(targets[canonical].shape)

@@ -30,6 +30,12 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
+    # Encoder output tokens of the media items a step may newly encode (vLLM's
+    # SchedulerConfig name); default: `max_num_batched_tokens`. Items already in the encoder
+    # cache cost nothing; a single item larger than the budget still runs, alone.
+    max_num_encoder_input_tokens: int | None = None
+    # GiB of encoder outputs kept for reuse across steps and requests (0.25: 256 MiB).
+    encoder_cache_gb: float = 0.25
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     gpu_memory_utilization: float = 0.9
@@ -108,6 +114,13 @@ class EngineArgs:
             raise ValueError(f"`dtype` must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
         return DTYPES[self.dtype]
 
+    def resolve_max_num_encoder_input_tokens(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return int(self.encoder_cache_gb * 2**30)
+
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model computing in `model_dtype`."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
@@ -118,6 +131,16 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        value = self.max_num_encoder_input_tokens
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError("`max_num_encoder_input_tokens` must be a positive integer, got "
+                             f"{value!r}")
+        if isinstance(self.encoder_cache_gb, bool) \
+                or not isinstance(self.encoder_cache_gb, (int, float)) \
+                or not self.encoder_cache_gb >= 0:
+            raise ValueError("`encoder_cache_gb` must be a non-negative number, got "
+                             f"{self.encoder_cache_gb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

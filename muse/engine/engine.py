@@ -30,9 +30,11 @@ from muse.engine.sampling_params import InvalidRequestError, SamplingParams, val
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.multimodal.encoder_cache import EncoderCache
-from muse.multimodal.engine_inputs import DEFAULT_ENCODER_CACHE_BYTES, build_media_encoders
+from muse.multimodal.engine_inputs import (MediaEncoders, build_media_encoders,
+                                           load_media_encoders)
 from muse.multimodal.processor import KINDS as MEDIA_KINDS
-from muse.multimodal.processor import MuseSparkProcessor, ProcessorError
+from muse.multimodal.processor import (MuseSparkProcessor, ProcessorConfig, ProcessorError,
+                                      preset_processor_config)
 from muse.speculative.config import SpeculativeConfig
 from muse.speculative.draft_kv import draft_block_bytes
 from muse.speculative.metrics import SpecDecodingStats
@@ -200,12 +202,9 @@ class EngineCore:
         self.config = self.model_config.text_config
         self.model = model.eval()
         self.tokenizer = load_tokenizer(args)
-        # A preset with a vision or audio config gets seeded random encoders beside its
-        # decoder; a checkpoint's encoder weights are not loaded yet, so it takes no media.
-        self.encoders = build_media_encoders(self.model_config, args.seed, self.dtype,
-                                             self.device) \
-            if args.model in PRESETS and self.world_size == 1 else None
-        self._processor: MuseSparkProcessor | None = None
+        self.encoders = self._media_encoders()
+        # Made at start-up, so that a bad processor_config.json fails the engine, not a request.
+        self._processor = self._media_processor() if self.encoders is not None else None
         self.eos_token_ids = tuple(self.config.eos_token_ids)
         if self.speculative is not None:
             self.proposer = make_proposer(self.speculative, self.model, args, self.device,
@@ -236,10 +235,10 @@ class EngineCore:
             self.proposer.allocate(self.model, num_blocks, args.block_size,
                                    lambda request: self.kv_cache.block_tables(request),
                                    self.device)
+        self.encoder_cache = EncoderCache(args.encoder_cache_bytes) \
+            if self.encoders is not None else None
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             self._graphs(kv_caches), self.encoders,
-                             EncoderCache(DEFAULT_ENCODER_CACHE_BYTES)
-                             if self.encoders is not None else None)
+                             self._graphs(kv_caches), self.encoders, self.encoder_cache)
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
@@ -262,6 +261,24 @@ class EngineCore:
             # After every dummy run above (memory profile, graph capture, step costs).
             self.model.calculate_kv_scales_on_next_step()
 
+    def _media_encoders(self) -> MediaEncoders | None:
+        """The vision / audio encoders the model's config names, beside the decoder: a
+        preset's seeded random ones, a checkpoint's loaded from its `vision_tower.*` /
+        `audio_tower.*` tensors (None without encoders, or with several ranks)."""
+        args = self.args
+        if self.world_size > 1:
+            return None
+        if args.model in PRESETS:
+            return build_media_encoders(self.model_config, args.seed, self.dtype, self.device)
+        return load_media_encoders(self.model_config, args.model, self.dtype, self.device)
+
+    def _media_processor(self) -> MuseSparkProcessor:
+        """The processor with a checkpoint's processor_config.json (the defaults when it has
+        none), or a preset's settings."""
+        settings = ProcessorConfig.load(self.args.model) \
+            if self.args.model not in PRESETS else preset_processor_config(self.args.model)
+        return MuseSparkProcessor(self.model_config, settings, self.tokenizer)
+
     def _init_scheduling(self) -> None:
         """What one data-parallel rank schedules with: its queue, the block manager of its KV
         cache, its requests."""
@@ -271,7 +288,9 @@ class EngineCore:
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         if self.speculative is not None:
             self.runner.rejection_sample_method = self.speculative.rejection_sample_method
-        self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens,
+                                   args.resolve_max_num_encoder_input_tokens(),
+                                   self.encoder_cache)
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
         self.in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
@@ -466,15 +485,13 @@ class EngineCore:
         """The expanded prompt ids and the processed media items of a request."""
         if self.encoders is None:
             raise InvalidRequestError(
-                "this engine takes no media: the model has no vision or audio encoder, or its "
-                "encoders are not loaded (checkpoint encoders and several ranks are not "
-                "supported yet)", param="multi_modal_data")
+                "this engine takes no media: the model has no vision or audio encoder, or it "
+                "runs on several ranks (not supported with media yet)",
+                param="multi_modal_data")
         unknown = sorted(set(data) - set(MEDIA_KINDS))
         if unknown:
             raise InvalidRequestError(f"multi_modal_data keys must be among {list(MEDIA_KINDS)}; "
                                       f"got {unknown}", param="multi_modal_data")
-        if self._processor is None:
-            self._processor = MuseSparkProcessor(self.model_config, tokenizer=self.tokenizer)
         # One item (an array is one clip or one image, not a list) or a list of them.
         items = {kind: [] if data.get(kind) is None else data[kind] for kind in MEDIA_KINDS}
         items = {kind: list(value) if isinstance(value, (list, tuple)) else [value]
@@ -485,6 +502,22 @@ class EngineCore:
         except ProcessorError as error:
             raise InvalidRequestError(str(error), param="multi_modal_data") from None
         return out.input_ids, out.media
+
+    def media_kinds(self) -> list[str]:
+        """The media kinds this engine takes ("image", "video", "audio"): those its loaded
+        encoders read, so the server can refuse other parts before decoding them."""
+        if self.encoders is None:
+            return []
+        kinds = ["image", "video"] \
+            if getattr(self.encoders, "vision_tower", None) is not None else []
+        return kinds + (["audio"] if getattr(self.encoders, "audio_tower", None) is not None
+                        else [])
+
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """The driver worker's encoder-output cache counters (`EncoderCache.stats()`), or {}
+        without one."""
+        cache = getattr(getattr(self.executor, "worker", None), "encoder_cache", None)
+        return cache.stats() if cache is not None else {}
 
     def _queue(self, samples: list[Request], compiled) -> None:
         """Hand a request to the scheduler, each sample with its own matcher if constrained."""

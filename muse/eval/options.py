@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# `unseen_tools` runs only when asked for (`--sections unseen_tools`): not by default.
-SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools")
+# `unseen_tools` and the media sections run only when asked for (`--sections unseen_tools`,
+# `--sections vision,video,audio`): not by default. `audio` needs espeak-ng.
+SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "vision", "video",
+            "audio")
 DEFAULT_SECTIONS = ("arithmetic", "tools", "instructions", "python")
 
 
 @dataclass
 class EvalSettings:
     num: int = 200  # problems per category (operation x digits, tool requests, instruction
-    # kind; unseen-tool cases in all)
+    # kind, media question kind; unseen-tool cases in all)
     seed: int = 1
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     max_tokens: int = 512  # cap on any reply (each also gets a budget from its right answer)

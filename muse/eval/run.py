@@ -18,6 +18,7 @@ from typing import Any
 from muse.eval.arithmetic import evaluate_arithmetic
 from muse.eval.generation import SectionResult
 from muse.eval.instructions import evaluate_instructions
+from muse.eval.media_tasks import MEDIA_BARS, MEDIA_KEYS, check_section, evaluate_media
 from muse.eval.options import EvalSettings
 from muse.eval.python_loss import evaluate_python
 from muse.eval.tools import evaluate_tools
@@ -36,6 +37,8 @@ ACCEPTANCE_BARS: dict[str, float] = {
     # Tools never seen in training (the v2 model's targets; `--sections unseen_tools`).
     "unseen_tools.valid": 0.90,
     "unseen_tools.right": 0.85,
+    # Media questions (`--sections vision,video,audio`), also the v2 model's targets.
+    **MEDIA_BARS,
 }
 
 
@@ -48,6 +51,9 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
     """
     settings = settings or EvalSettings()
     settings.validate()
+    for section in MEDIA_KEYS:
+        if section in settings.sections:
+            check_section(section)
     started = time.monotonic()
     llm = LLM(model, **engine_args)
     report: dict[str, Any] = {"model": str(model), "settings": dataclasses.asdict(settings),
@@ -66,6 +72,10 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
     if "unseen_tools" in settings.sections:
         sections["unseen_tools"] = evaluate_unseen_tools(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
+    for section in MEDIA_KEYS:
+        if section in settings.sections:
+            sections[section] = evaluate_media(llm, section, settings.num, settings.seed,
+                                               settings.max_tokens, progress)
     replies = [reply for section in sections.values() for reply in section.replies]
     for name, section in sections.items():
         report[name] = section.metrics
@@ -118,6 +128,13 @@ def _cell(cell: Mapping[str, float] | None, key: str = "exact") -> str:
     return "-" if cell is None else f"{cell[key]:.3f} ({cell['count']})"
 
 
+def _media_lines(section: str, cells: Mapping[str, Any]) -> list[str]:
+    lines = [f"{section} ({cells['count']} held-out cases), exact match (count)"]
+    for kind, cell in [*cells["by_kind"].items(), ("all", cells)]:
+        lines.append(f"  {kind:31s}" + _cell(cell).rjust(16))
+    return lines
+
+
 def format_table(report: Mapping[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), "
              f"{report['seconds']} s"]
@@ -149,6 +166,9 @@ def format_table(report: Mapping[str, Any]) -> str:
         for kind, cell in [*unseen["by_kind"].items(), ("all", unseen)]:
             lines.append(f"  {kind} ({cell['count']})".ljust(33) + "".join(
                 f"{cell[measure]:.3f}".rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
+    for section in MEDIA_KEYS:
+        if section in report:
+            lines.extend(_media_lines(section, report[section]))
     if "replies" in report:
         replies = report["replies"]
         lines.append(f"replies ({replies['count']}): end with <|end|> "

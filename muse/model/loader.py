@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from muse.checkpoint.layout import CheckpointError, format_names
+from muse.checkpoint.layout import CheckpointError, format_names, is_encoder_tensor
 from muse.checkpoint.reader import CheckpointReader
 from muse.layers.fused_moe import per_expert_target
 from muse.layers.lazy_slice import LazySlice
@@ -73,6 +73,8 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
     filled: set[str] = set()
     unexpected: list[str] = []
     for name, loaded in tensors:
+        if is_encoder_tensor(name):
+            continue  # the media encoders' (loaded beside the decoder), not this model's
         held = getattr(model, "checkpoint_target", lambda n: n)(name)
         if held is None:
             continue  # another pipeline stage's tensor

@@ -1,13 +1,18 @@
-"""The 24 kHz waveform audio encoder: one text-sized embedding per 80 ms frame.
+"""The 24 kHz audio encoder: one text-sized embedding per 80 ms of waveform.
 
-A clip's raw mono waveform is cut into frames of `samples_per_token` samples (the last one
-zero-padded), each frame is embedded by one linear map (a Conv1d whose kernel and stride are
-both `samples_per_token`), sinusoidal positions counted from the clip's first frame are added,
-and a stack of pre-norm bidirectional transformer layers runs over the frames. A final
-LayerNorm and a linear projector map each frame to the text decoder's hidden size.
+A clip's mono waveform is zero-padded to whole tokens of `samples_per_token` samples. Its
+front end is a log-mel spectrogram: STFT frames every `mel_hop_length` samples (10 ms),
+`num_mel_bins` mel bands up to `mel_max_hz`, log10 with the dynamic range clamped to 8
+decades below the clip's loudest band, as Whisper does (silence and near-silence look alike
+whatever the recording's noise floor). A token's features are its 8 frames side by side, embedded by one linear
+map (a convolution whose kernel and stride are a token's frames). Sinusoidal positions
+counted from the clip's first token are added, and a stack of pre-norm bidirectional
+transformer layers runs over the tokens. A final LayerNorm and a linear projector map each
+token to the text decoder's hidden size.
 
-Several clips run as one packed sequence: attention is block-diagonal, so a frame attends to
-every frame of its own clip and to nothing else, and each clip's output is the one it has alone.
+Several clips run as one packed sequence: attention is block-diagonal, so a token attends to
+every token of its own clip and to nothing else, and each clip's output is the one it has
+alone.
 """
 
 from __future__ import annotations
@@ -62,6 +67,43 @@ def frames(waveform: torch.Tensor, config: AudioConfig,
     return F.pad(waveform, (0, padding)).reshape(num_frames, config.samples_per_token)
 
 
+def mel_filterbank(config: AudioConfig) -> torch.Tensor:
+    """[n_fft // 2 + 1, num_mel_bins] triangular filters, evenly spaced on the HTK mel scale
+    from 0 Hz to `mel_max_hz`, each peaking at 1. Built on the CPU (also when a model is
+    being built on the meta device)."""
+    cpu = dict(dtype=torch.float64, device="cpu")
+    bins = config.mel_n_fft // 2 + 1
+    frequencies = torch.linspace(0.0, config.sample_rate / 2, bins, **cpu)
+    top_mel = 2595.0 * math.log10(1.0 + config.mel_max_hz / 700.0)
+    edges = 700.0 * (10.0 ** (torch.linspace(0.0, top_mel, config.num_mel_bins + 2, **cpu)
+                              / 2595.0) - 1.0)
+    lower, center, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    rising = (frequencies[None, :] - lower) / (center - lower)
+    falling = (upper - frequencies[None, :]) / (upper - center)
+    return torch.clamp(torch.minimum(rising, falling), min=0.0).T.float()
+
+
+def log_mel_features(waveform: torch.Tensor, config: AudioConfig,
+                     filterbank: torch.Tensor | None = None) -> torch.Tensor:
+    """Mono waveform [samples] -> [num_audio_tokens, frames_per_token * num_mel_bins] float32.
+
+    Computed in float32 whatever the encoder's dtype; the clip is padded to whole tokens, and
+    past its end by one STFT window, so every token has exactly its 8 frames."""
+    hop, n_fft = config.mel_hop_length, config.mel_n_fft
+    chunks = frames(waveform.float(), config)
+    num_tokens = chunks.shape[0]
+    padded = F.pad(chunks.reshape(-1), (0, n_fft - hop))
+    window = torch.hann_window(n_fft, device=padded.device)
+    spectrum = torch.stft(padded, n_fft, hop_length=hop, window=window, center=False,
+                          return_complex=True)  # [bins, num_tokens * frames_per_token]
+    if filterbank is None:
+        filterbank = mel_filterbank(config)
+    power = spectrum.abs().square().T @ filterbank.to(padded.device, torch.float32)
+    logs = torch.clamp(power, min=1e-10).log10()
+    logs = torch.maximum(logs, logs.max() - 8.0)
+    return ((logs + 4.0) / 4.0).reshape(num_tokens, -1)
+
+
 def sinusoidal_positions(num_frames: int, hidden_size: int, device: torch.device | str | None = None
                          ) -> torch.Tensor:
     """[num_frames, hidden_size] float32 sin / cos positions; computed, so any length works."""
@@ -81,7 +123,11 @@ class AudioEncoder(nn.Module):
     def __init__(self, config: AudioConfig, text_hidden_size: int) -> None:
         super().__init__()
         self.config = config
-        self.frame_embedding = nn.Linear(config.samples_per_token, config.hidden_size)
+        frames_per_token = config.samples_per_token // config.mel_hop_length
+        self.frame_embedding = nn.Linear(frames_per_token * config.num_mel_bins,
+                                         config.hidden_size)
+        # Fixed, so a buffer; not saved (it is computed from the config).
+        self.register_buffer("mel_filters", mel_filterbank(config), persistent=False)
         self.layers = nn.ModuleList(
             EncoderLayer(config.hidden_size, config.num_attention_heads,
                          config.intermediate_size, config.layer_norm_eps)
@@ -96,7 +142,10 @@ class AudioEncoder(nn.Module):
         if not waveforms:
             return []
         weight = self.frame_embedding.weight
-        clip_frames = [frames(waveform, self.config, sample_rate) for waveform in waveforms]
+        for waveform in waveforms:
+            _check_waveform(waveform, self.config, sample_rate)
+        clip_frames = [log_mel_features(waveform.to(weight.device), self.config,
+                                        self.mel_filters) for waveform in waveforms]
         lengths = [clip.shape[0] for clip in clip_frames]
         cu_seqlens = torch.tensor([0, *lengths], device=weight.device).cumsum(0, dtype=torch.int32)
         hidden = self.frame_embedding(torch.cat(clip_frames).to(weight.device, weight.dtype))

@@ -213,3 +213,48 @@ def encode_with_cache(cache: EncoderCache, items: Sequence[Item],
             for position in pending[item.content_hash]:
                 results[position] = tensor
     return results  # type: ignore[return-value]
+
+
+class HasSpans(Protocol):
+    content_hash: str
+    spans: list[tuple[int, int]]
+
+
+class RequestPins:
+    """The cache entries each running request pins: the items whose media tokens it has begun
+    to compute and not finished. A prefill chunked across steps thus finds its item's output
+    in the next step instead of encoding it again (or, with the scheduler's encoder budget,
+    paying for it twice). `update` after each step's progress, `release` when the request
+    finishes, is aborted or is preempted (it recomputes from the start, pinning again)."""
+
+    def __init__(self, cache: EncoderCache) -> None:
+        self.cache = cache
+        self._held: dict[str, set[str]] = {}  # request id -> content hashes it pins
+
+    def held(self, request_id: str) -> set[str]:
+        return set(self._held.get(request_id, ()))
+
+    def update(self, request_id: str, media: Sequence[HasSpans], computed: int) -> None:
+        """Pin what the request is in the middle of after `computed` tokens; unpin the rest.
+        An item not in the cache (too large for it) has nothing to pin."""
+        wanted = {item.content_hash for item in media
+                  if item.spans[0][0] < computed < item.spans[-1][0] + item.spans[-1][1]}
+        held = self._held.setdefault(request_id, set())
+        for key in held - wanted:
+            self._unpin(key)
+        held &= wanted
+        for key in wanted - held:
+            if key in self.cache:
+                self.cache.pin(key)
+                held.add(key)
+        if not held:
+            del self._held[request_id]
+
+    def release(self, request_id: str) -> None:
+        for key in self._held.pop(request_id, ()):
+            self._unpin(key)
+
+    def _unpin(self, key: str) -> None:
+        # `clear()` drops every pin at once; the requests' records are stale then.
+        if self.cache.pin_count(key):
+            self.cache.unpin(key)

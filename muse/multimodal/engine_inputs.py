@@ -9,6 +9,9 @@ so a step takes only the rows of the tokens it computes. The worker encodes the 
 token ids as usual and overwrites the media rows with the encoder rows
 (`scatter_media`). Such steps always run eagerly: the CUDA graphs take token ids only.
 
+The encoders are a preset's, drawn from the engine's seed (`build_media_encoders`), or a
+checkpoint's, read from its `vision_tower.*` / `audio_tower.*` tensors (`load_media_encoders`).
+
 Prefix caching: a block's key covers its token ids, which are the same placeholder ids for
 every image of a size, so the content hashes of the items whose spans meet a block join its
 key (`block_media_hashes`); two different images never share KV, the same image does.
@@ -16,20 +19,23 @@ key (`block_media_hashes`); two different images never share KV, the same image 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from muse.checkpoint.layout import ENCODER_PREFIXES, CheckpointError, format_names
+from muse.checkpoint.reader import CheckpointReader
 from muse.config import MuseSparkConfig
 from muse.multimodal.audio import AudioEncoder
 from muse.multimodal.encoder_cache import EncoderCache, encode_with_cache
 from muse.multimodal.processor import ProcessedMedia
 from muse.multimodal.vision import VisionEncoder
 
-# Bytes of encoder outputs kept for reuse across steps and requests.
-DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
+logger = logging.getLogger("muse")
 
 
 class MediaEncoders(nn.Module):
@@ -38,9 +44,11 @@ class MediaEncoders(nn.Module):
     def __init__(self, config: MuseSparkConfig) -> None:
         super().__init__()
         hidden = config.text_config.hidden_size
-        self.vision = VisionEncoder(config.vision_config, hidden) \
+        # Attribute names are the checkpoint's tensor-name prefixes (`vision_tower.*`,
+        # `audio_tower.*`), so a checkpoint's encoder tensors load by name.
+        self.vision_tower = VisionEncoder(config.vision_config, hidden) \
             if config.vision_config is not None else None
-        self.audio = AudioEncoder(config.audio_config, hidden) \
+        self.audio_tower = AudioEncoder(config.audio_config, hidden) \
             if config.audio_config is not None else None
 
     @torch.inference_mode()
@@ -48,7 +56,8 @@ class MediaEncoders(nn.Module):
         """Each item's embeddings [tokens, text hidden], in the order given: images and
         videos in one packed vision pass, audio clips in one packed audio pass."""
         out: list[torch.Tensor | None] = [None] * len(items)
-        for encoder, kinds in ((self.vision, ("image", "video")), (self.audio, ("audio",))):
+        for encoder, kinds in ((self.vision_tower, ("image", "video")),
+                               (self.audio_tower, ("audio",))):
             positions = [i for i, item in enumerate(items) if item.kind in kinds]
             if not positions:
                 continue
@@ -63,12 +72,72 @@ def build_media_encoders(config: MuseSparkConfig, seed: int, dtype: torch.dtype,
                          device: torch.device | str) -> MediaEncoders | None:
     """Random encoders for a preset, drawn on the CPU from `seed` (the same on every device
     and for every caller with that seed); None when the config has no encoder."""
-    if config.vision_config is None and config.audio_config is None:
+    if not has_encoders(config):
         return None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         encoders = MediaEncoders(config)
     return encoders.to(device=device, dtype=dtype).eval()
+
+
+def has_encoders(config: MuseSparkConfig) -> bool:
+    return config.vision_config is not None or config.audio_config is not None
+
+
+@torch.no_grad()
+def load_media_encoders(config: MuseSparkConfig, directory: str | Path, dtype: torch.dtype,
+                        device: torch.device | str) -> MediaEncoders | None:
+    """The encoders of a checkpoint folder whose config has `vision_config` /
+    `audio_config`, filled from its `vision_tower.*` / `audio_tower.*` tensors (cast to
+    `dtype`, on `device`); None when the config has no encoder.
+
+    Every tensor of a configured encoder must be there with the module's shape (a
+    CheckpointError names what is missing or mis-shaped); encoder tensors the config does not
+    ask for are ignored with a warning.
+    """
+    if not has_encoders(config):
+        return None
+    # Built on the CPU in float32, as a preset's are, so that buffers computed from the
+    # config (not stored) come out the same; the parameters are then overwritten. The random
+    # init they are drawn with must not move the global generator (unseeded sampling).
+    with torch.random.fork_rng(devices=[]):
+        encoders = MediaEncoders(config)
+    targets = encoders.state_dict()
+    where = f"checkpoint {directory}"
+    with CheckpointReader(directory) as reader:
+        stored = [name for name in reader.names() if name.startswith(ENCODER_PREFIXES)]
+        _check_encoder_names(config, targets, stored, where)
+        for name, target in targets.items():
+            tensor = reader.get(name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{where}: encoder tensor `{name}` has shape "
+                                      f"{tuple(tensor.shape)}; the config's encoder expects "
+                                      f"{tuple(target.shape)}")
+            target.copy_(tensor)
+    return encoders.to(device=device, dtype=dtype).eval()
+
+
+def _check_encoder_names(config: MuseSparkConfig, targets: dict[str, torch.Tensor],
+                         stored: list[str], where: str) -> None:
+    """Raise when a configured encoder's tensor is missing or unknown; warn about tensors of
+    an encoder the config does not have (the config decides which encoders run)."""
+    built = tuple(prefix for prefix, sub in (("vision_tower.", config.vision_config),
+                                             ("audio_tower.", config.audio_config))
+                  if sub is not None)
+    missing = [name for name in targets if name not in set(stored)]
+    if missing:
+        raise CheckpointError(
+            f"{where}: its config.json has "
+            f"{' and '.join(p.removesuffix('_tower.') + '_config' for p in built)} but "
+            f"{len(missing)} encoder tensor(s) are missing: {format_names(missing)}")
+    unknown = [name for name in stored if name.startswith(built) and name not in targets]
+    if unknown:
+        raise CheckpointError(f"{where}: {len(unknown)} encoder tensor(s) the config's "
+                              f"encoders have no place for: {format_names(unknown)}")
+    ignored = [name for name in stored if not name.startswith(built)]
+    if ignored:
+        logger.warning("%s: ignoring %d tensor(s) of an encoder its config.json does not "
+                       "name: %s", where, len(ignored), format_names(ignored))
 
 
 @dataclass(frozen=True)

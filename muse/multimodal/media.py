@@ -24,6 +24,7 @@ import binascii
 import functools
 import io
 import ipaddress
+import json
 import math
 import os
 import socket
@@ -52,6 +53,26 @@ _READ_CHUNK_BYTES = 1 << 16
 MAX_AUDIO_SAMPLE_RATE = 384_000
 MAX_AUDIO_CHANNELS = 64
 _AUDIO_BLOCK_FRAMES = 1 << 16
+
+
+# Media parts one request may hold, per kind (vLLM's --limit-mm-per-prompt): each part may
+# cost up to the per-part limits below, so their number is bounded too.
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 32, "video": 4, "audio": 8}
+
+
+def parse_mm_limits(text: str) -> dict[str, int]:
+    """A --limit-mm-per-prompt value, a JSON object such as `{"image": 4, "video": 1}`; kinds
+    it leaves out keep their defaults."""
+    try:
+        given = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object; got {text!r}") from None
+    if not isinstance(given, dict) or not all(
+            kind in DEFAULT_LIMIT_MM_PER_PROMPT and isinstance(count, int)
+            and not isinstance(count, bool) and count >= 0 for kind, count in given.items()):
+        raise ValueError(f"--limit-mm-per-prompt must map kinds among "
+                         f"{sorted(DEFAULT_LIMIT_MM_PER_PROMPT)} to counts >= 0; got {text!r}")
+    return {**DEFAULT_LIMIT_MM_PER_PROMPT, **given}
 
 
 class MediaError(ValueError):

@@ -147,6 +147,14 @@ class ProcessorConfig:
         return cls.from_dict(data)
 
 
+def preset_processor_config(preset: str | None) -> ProcessorConfig:
+    """The processor settings a preset's checkpoints get (`muse.presets.PROCESSOR_SETTINGS`),
+    the defaults for other presets and names."""
+    from muse.presets import PROCESSOR_SETTINGS
+
+    return ProcessorConfig(**PROCESSOR_SETTINGS.get(preset or "", {}))
+
+
 def _check(condition: bool, name: str, allowed: str, value: Any) -> None:
     if not condition:
         raise ConfigError(f"processor config field `{name}` must be {allowed}, got {value!r}")

@@ -41,6 +41,7 @@ from muse.server.serving import (
     check_model,
     default_body_limit,
     completion_prompts,
+    decode_media,
     plan_chat,
     plan_completion,
     render_chat,
@@ -51,6 +52,9 @@ from muse.server.stats_logger import log_stats_while_running
 logger = logging.getLogger("muse.server")
 # Threads that parse bodies and tokenize prompts; more would only contend for the GIL.
 PREPARE_THREADS = 4
+# Threads that fetch and decode media parts: fetches wait on the network, and Pillow, PyAV
+# and soundfile release the GIL while decoding, so more than PREPARE_THREADS pay off.
+MEDIA_THREADS = 8
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -75,6 +79,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
               on_engine_death: Callable[[str], None] | None = None) -> FastAPI:
     metrics = ServerMetrics(options.served_model_name)
     prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="muse-prepare")
+    media_pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="muse-media")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,6 +93,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         stats_task.cancel()
         await client.shutdown()
         prepare.shutdown(wait=False, cancel_futures=True)
+        media_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="muse", version=muse.__version__, lifespan=lifespan)
     app.state.client, app.state.metrics = client, metrics
@@ -143,6 +149,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         admit(body.n)
         try:
             plan = await off_loop(plan_chat, body, tokenizer, client.ready, options)
+            plan.media = await decode_media(plan.media_parts, options.media_limits, media_pool)
             request_id = client.new_request_id("chatcmpl")
             state = GenerationState()
             request.state.generations = [state]

@@ -29,6 +29,7 @@ from muse.server.messages import (
     EngineReady,
     EngineStats,
     FromEngine,
+    MediaArray,
     RequestFailed,
     SampleDelta,
     Shutdown,
@@ -103,9 +104,10 @@ class EngineClient:
     def _submit(self, command) -> None:
         raise NotImplementedError
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params
-                       ) -> AsyncIterator[SampleDelta]:
-        """Deltas of every sample of one request until all are finished.
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       media: list[MediaArray] | None = None) -> AsyncIterator[SampleDelta]:
+        """Deltas of every sample of one request until all are finished. `media`: the
+        decoded media of the prompt's placeholders, in order.
 
         Leaving early (a client that went away) aborts the request in the engine.
         """
@@ -116,7 +118,7 @@ class EngineClient:
         unfinished = set(range(params.n))
         self.num_samples += params.n
         try:
-            self._submit(AddRequest(request_id, prompt_token_ids, params))
+            self._submit(AddRequest(request_id, prompt_token_ids, params, media or []))
             while unfinished:
                 message = await target.get()
                 if isinstance(message, EngineDead):

@@ -23,6 +23,7 @@ from muse.server.messages import (
     RequestFailed,
     SampleDelta,
     Shutdown,
+    multi_modal_data,
 )
 
 logger = logging.getLogger("muse.engine")
@@ -44,7 +45,10 @@ def engine_stats(engine: Engine) -> EngineStats:
         kv_blocks_used=sum(p.num_used for r in replicas for p in r.kv_cache.pools.values()),
         prefix_cache_queries=sum(r.kv_cache.stats.queries for r in replicas),
         prefix_cache_hits=sum(r.kv_cache.stats.hits for r in replicas),
-        num_preemptions=sum(r.scheduler.num_preemptions for r in replicas))
+        num_preemptions=sum(r.scheduler.num_preemptions for r in replicas),
+        # Media runs on one rank only (encoders are not built with several), so rank 0's
+        # cache is the whole story.
+        encoder_cache=replicas[0].encoder_cache_stats())
 
 
 class EngineLoop:
@@ -61,20 +65,31 @@ class EngineLoop:
                            max_model_len=engine.max_model_len,
                            max_num_seqs=engine.args.max_num_seqs,
                            eos_token_ids=list(engine.eos_token_ids),
-                           max_grammar_bytes=engine.args.max_grammar_bytes)
+                           max_grammar_bytes=engine.args.max_grammar_bytes,
+                           media_kinds=engine.replicas[0].media_kinds())
 
     def _handle(self, command) -> list:
         if isinstance(command, AddRequest):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params)
+                self._add(command)
             except InvalidRequestError as error:
+                if command.media and error.param in ("prompt", "multi_modal_data"):
+                    # Media comes only from chat requests, whose prompt is `messages`.
+                    error.param = "messages"
                 return [self._failure(command.request_id, error)]
         elif isinstance(command, AbortRequest):
             for sample in self.engine.requests.get(command.request_id, []):
                 self.reported.pop(sample.request_id, None)
             self.engine.abort(command.request_id)
         return []
+
+    def _add(self, command: AddRequest) -> None:
+        if not command.media:
+            self.engine.add_request(command.request_id, command.prompt_token_ids,
+                                    command.params)
+            return
+        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                multi_modal_data(command.media))
 
     @staticmethod
     def _failure(request_id: str, error: InvalidRequestError) -> RequestFailed:

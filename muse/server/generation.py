@@ -10,6 +10,7 @@ from muse.detokenizer import IncrementalDetokenizer
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
 from muse.server.engine_client import EngineClient
+from muse.server.messages import MediaArray
 from muse.server.metrics import ServerMetrics
 
 
@@ -37,8 +38,8 @@ class GenerationState:
 
 async def generate(client: EngineClient, tokenizer, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, metrics: ServerMetrics, state: GenerationState,
-                   hidden_token_ids: frozenset[int] | None = None
-                   ) -> AsyncIterator[SampleUpdate]:
+                   hidden_token_ids: frozenset[int] | None = None,
+                   media: list[MediaArray] | None = None) -> AsyncIterator[SampleUpdate]:
     """Updates of every sample until all finish; stop strings end a sample early.
 
     A generation left unfinished marks `state.outcome` "abort" (the client left) or "error";
@@ -50,7 +51,7 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                     for i in range(params.n)}
     unfinished = set(range(params.n))
     status = "abort"
-    deltas = client.generate(request_id, prompt_token_ids, params)
+    deltas = client.generate(request_id, prompt_token_ids, params, media)
     try:
         async for delta in deltas:
             metrics.generation_tokens.inc(len(delta.token_ids))

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from muse.engine.args import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, EngineArgs
-from muse.multimodal.media import MediaLimits
+from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaLimits, parse_mm_limits
 from muse.quantization import ONLINE_FORMATS
 
 logger = logging.getLogger("muse.server")
@@ -52,6 +52,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="most sequences in one batch (default: %(default)s)")
     add("--max-num-batched-tokens", type=int, default=8192,
         help="token budget of one engine step (default: %(default)s)")
+    add("--max-num-encoder-input-tokens", type=int, default=None,
+        help="encoder output tokens of the media items one step may newly encode; a larger "
+             "item still runs, alone (default: --max-num-batched-tokens)")
+    add("--encoder-cache-gb", type=float, default=0.25,
+        help="GiB of image / video / audio encoder outputs kept for reuse (default: "
+             "%(default)s)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes (default: on)")
     add("--block-size", type=int, default=16,
@@ -129,6 +135,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
              "length (default: %(default)s)")
     add("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
         help="longest audio clip in seconds (default: %(default)s)")
+    add("--limit-mm-per-prompt", type=parse_mm_limits,
+        default=dict(DEFAULT_LIMIT_MM_PER_PROMPT),
+        help="most media parts of each kind in one request, as a JSON object, e.g. "
+             "'{\"image\": 4, \"video\": 1}'; kinds left out keep their default (default: "
+             f"{json.dumps(DEFAULT_LIMIT_MM_PER_PROMPT)})")
     add("--restart-engine", action="store_true",
         help="start a new engine core when it dies, instead of exiting with an error "
              "(default: off)")
@@ -202,6 +213,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_cache_gb=args.encoder_cache_gb,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
@@ -258,7 +271,8 @@ def build_from_args(args: argparse.Namespace, on_engine_death=None):
         request_body_timeout_s=args.request_body_timeout,
         allowed_origins=args.allowed_origins,
         log_stats_interval_s=None if args.disable_log_stats else 5.0,
-        max_token_bytes=tokenizer.max_token_bytes, media_limits=media_limits)
+        max_token_bytes=tokenizer.max_token_bytes, media_limits=media_limits,
+        limit_mm_per_prompt=args.limit_mm_per_prompt)
     client = ThreadEngineClient(engine_args) if args.engine_in_process \
         else ProcessEngineClient(engine_args, restart=args.restart_engine)
     return build_app(client, tokenizer, options, on_engine_death)

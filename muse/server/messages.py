@@ -2,17 +2,88 @@
 
 from __future__ import annotations
 
-import msgspec
+from typing import Any
 
+import msgspec
+import numpy as np
+
+from muse.engine.errors import InvalidRequestError
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
+
+
+# The dtypes decoded media comes in (images and video frames: uint8; audio: float32), so the
+# engine never builds an array of an object or other unexpected dtype from a message.
+MEDIA_DTYPES = ("uint8", "float32")
+
+
+class MediaArray(msgspec.Struct):
+    """One decoded media item as raw bytes (msgpack `bin`, no per-element encoding):
+    an image's uint8 [H, W, 3] pixels, a video's uint8 [T, H, W, 3] frames with their
+    timestamps in seconds, or an audio clip's float32 [samples] at `sample_rate`."""
+
+    kind: str  # "image", "video" or "audio"
+    data: bytes
+    dtype: str
+    shape: list[int]
+    timestamps: list[float] | None = None
+    sample_rate: int = 0
+
+    @classmethod
+    def of(cls, item: Any) -> MediaArray:
+        """From what `muse.multimodal.media.load_part` returns."""
+        from PIL import Image
+
+        from muse.multimodal.media import Audio, Video
+
+        if isinstance(item, Image.Image):
+            return cls._array("image", np.asarray(item.convert("RGB")))
+        if isinstance(item, Video):
+            return cls._array("video", item.frames,
+                              timestamps=[float(t) for t in item.timestamps])
+        if isinstance(item, Audio):
+            return cls._array("audio", item.waveform.astype(np.float32, copy=False),
+                              sample_rate=item.sample_rate)
+        raise TypeError(f"not a decoded media item: {type(item).__name__}")
+
+    @classmethod
+    def _array(cls, kind: str, array: np.ndarray, **extra: Any) -> MediaArray:
+        array = np.ascontiguousarray(array)
+        return cls(kind, array.tobytes(), str(array.dtype), list(array.shape), **extra)
+
+    def item(self) -> Any:
+        """The engine's `multi_modal_data` item: uint8 pixels, a `Video` or an `Audio`."""
+        from muse.multimodal.media import Audio, Video
+
+        if self.dtype not in MEDIA_DTYPES or any(n < 0 for n in self.shape) or \
+                int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize != len(self.data):
+            raise InvalidRequestError(f"a {self.kind} item's {len(self.data)} bytes do not "
+                                      f"hold a {self.dtype} array of shape {self.shape}",
+                                      param="multi_modal_data")
+        array = np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+        if self.kind == "video":
+            return Video(array, np.asarray(self.timestamps or [], dtype=np.float64))
+        if self.kind == "audio":
+            # A writable copy: torch refuses to share a read-only buffer without a warning.
+            return Audio(array.copy(), self.sample_rate)
+        return array
+
+
+def multi_modal_data(media: list[MediaArray]) -> dict[str, list]:
+    """vLLM's `multi_modal_data`: each kind's items in prompt order."""
+    data: dict[str, list] = {}
+    for piece in media:
+        data.setdefault(piece.kind, []).append(piece.item())
+    return data
 
 
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Decoded media of a chat request, in the order of its placeholders per kind.
+    media: list[MediaArray] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -51,6 +122,9 @@ class EngineStats(msgspec.Struct, tag=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Rank 0's encoder-output cache (`EncoderCache.stats()`: metric name -> value); empty
+    # for a model without encoders.
+    encoder_cache: dict[str, int] = {}
     # Speculative decoding (muse.speculative.metrics), summed since start; empty without it.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -67,6 +141,9 @@ class EngineReady(msgspec.Struct, tag=True):
     # The engine's limit on a schema's (or the tools') JSON text, so the front end refuses
     # larger ones before queueing them.
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    # The media kinds the engine's encoders take, so the front end refuses other media
+    # parts before fetching them.
+    media_kinds: list[str] = []
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from muse.multimodal.encoder_cache import (METRIC_CAPACITY_BYTES, METRIC_ENTRIES,
+                                           METRIC_EVICTIONS, METRIC_HITS, METRIC_MISSES,
+                                           METRIC_USAGE_BYTES)
 from muse.server.messages import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -80,6 +83,18 @@ class ServerMetrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position (0-based) was accepted",
             ["model_name", "position"])
+        # The engine's encoder-output cache, under the names `EncoderCache.stats()` gives
+        # (prometheus_client adds the `_total` of a counter itself).
+        self.encoder_cache_counters = {
+            name: counter(name.removesuffix("_total"), text).labels(model_name)
+            for name, text in ((METRIC_HITS, "Media items served from the encoder cache"),
+                               (METRIC_MISSES, "Media items not in the encoder cache"),
+                               (METRIC_EVICTIONS, "Encoder cache entries evicted"))}
+        self.encoder_cache_gauges = {
+            name: gauge(name, text)
+            for name, text in ((METRIC_USAGE_BYTES, "Bytes of encoder outputs cached"),
+                               (METRIC_CAPACITY_BYTES, "The encoder cache's byte budget"),
+                               (METRIC_ENTRIES, "Encoder outputs cached"))}
         self._last = EngineStats()
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -98,6 +113,11 @@ class ServerMetrics:
                 (self.spec_accepted, stats.spec_num_accepted_tokens,
                  last.spec_num_accepted_tokens)):
             _advance(counter, now, before)
+        for name, encoder_counter in self.encoder_cache_counters.items():
+            _advance(encoder_counter, stats.encoder_cache.get(name, 0),
+                     last.encoder_cache.get(name, 0))
+        for name, encoder_gauge in self.encoder_cache_gauges.items():
+            encoder_gauge.set(stats.encoder_cache.get(name, 0))
         previous = last.spec_accepted_per_position
         for position, now in enumerate(stats.spec_accepted_per_position):
             _advance(self.spec_accepted_per_position.labels(self.model_name, str(position)),

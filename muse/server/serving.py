@@ -6,8 +6,10 @@ field, and nothing is queued.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -17,10 +19,11 @@ from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_S
 from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
 from muse.engine.structured_output import StructuredOutput
-from muse.multimodal.media import MediaLimits
+from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaError, MediaLimits, \
+    load_part
 from muse.server.errors import APIError
 from muse.server.json_body import json_strings
-from muse.server.messages import EngineReady
+from muse.server.messages import EngineReady, MediaArray
 from muse.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
 # A chat reply keeps the tags its parsers read and drops the other special tokens.
@@ -52,6 +55,9 @@ class ServerOptions:
     max_token_bytes: int = 1
     # How media parts are fetched and decoded (the --allowed-media-* and --max-* flags).
     media_limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
+    # Most media parts of each kind in one request (--limit-mm-per-prompt).
+    limit_mm_per_prompt: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
 
 
 def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
@@ -88,8 +94,25 @@ def check_model(requested: str | None, options: ServerOptions) -> None:
                        code="model_not_found")
 
 
-def _check_media(messages: list) -> None:
-    """Media parts are checked (well-formed URLs), then refused: no encoder is wired in yet."""
+@dataclass(frozen=True)
+class MediaPart:
+    """A media content part to decode: `where` names it (`messages[0].content[1]`)."""
+
+    where: str
+    kind: str  # "image", "video" or "audio"
+    part: dict
+
+
+def _check_media(messages: list, ready: EngineReady,
+                 limits: dict[str, int] | None = None) -> list[MediaPart]:
+    """Check every content part's fields and return the media parts in prompt order.
+
+    Only the fields are checked here (cheap, before anything is fetched); a part of a kind
+    the model has no encoder for is refused too, and so is a part past `limits` (the most
+    parts of a kind in one request).
+    """
+    limits = DEFAULT_LIMIT_MM_PER_PROMPT if limits is None else limits
+    parts: list[MediaPart] = []
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
             continue
@@ -103,16 +126,73 @@ def _check_media(messages: list) -> None:
             if kind not in MEDIA_PARTS:
                 raise APIError(400, f"{where}.type {kind!r} is not a known content part type",
                                param=f"{where}.type")
-            payload = part.get(kind)
-            url = payload.get("url") if isinstance(payload, dict) else payload
-            if kind != "input_audio":
-                parsed = urlparse(url) if isinstance(url, str) else None
-                if parsed is None or parsed.scheme not in ("http", "https", "data") or \
-                        (parsed.scheme != "data" and not parsed.netloc):
-                    raise APIError(400, f"{where}.{kind}.url must be an http(s) or data URL",
-                                   param=f"{where}.{kind}.url")
-            raise APIError(400, f"{MEDIA_PARTS[kind]} input is not supported by this server "
-                                "yet", param=where)
+            _check_media_fields(part, kind, where)
+            if MEDIA_PARTS[kind] not in ready.media_kinds:
+                raise APIError(400, f"{where}: this model takes no {MEDIA_PARTS[kind]} input "
+                                    "(it has no encoder for it)", param=where,
+                               code="invalid_value")
+            media_kind = MEDIA_PARTS[kind]
+            if sum(p.kind == media_kind for p in parts) >= limits.get(media_kind, 0):
+                raise APIError(400, f"{where}: more than {limits.get(media_kind, 0)} "
+                                    f"{media_kind} part(s) in one request "
+                                    "(--limit-mm-per-prompt)", param=where,
+                               code="invalid_value")
+            parts.append(MediaPart(where, media_kind, part))
+    return parts
+
+
+def _check_media_fields(part: dict, kind: str, where: str) -> None:
+    if kind == "input_audio":
+        payload = part.get("input_audio")
+        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+            raise APIError(400, f"{where}.input_audio.data must be a base64 string",
+                           param=f"{where}.input_audio.data")
+        return
+    # Chat Completions nests the URL ({"image_url": {"url": ...}}); the Responses API's
+    # input_image gives it directly ({"image_url": "..."}).
+    field = "image_url" if kind == "input_image" else kind
+    payload = part.get(field)
+    url = payload.get("url") if isinstance(payload, dict) else payload
+    parsed = urlparse(url) if isinstance(url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https", "data") or \
+            (parsed.scheme != "data" and not parsed.netloc):
+        raise APIError(400, f"{where}.{field}.url must be an http(s) or data URL",
+                       param=f"{where}.{field}.url")
+
+
+def placeholder_content(messages: list[dict]) -> list[dict]:
+    """The messages with each media part replaced by its placeholder part (`{"type":
+    "image"}`), so the template sees where the media goes but not its (large) URL or data."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": [
+                {"type": MEDIA_PARTS[part["type"]]}
+                if isinstance(part, dict) and part.get("type") in MEDIA_PARTS else part
+                for part in content]}
+        out.append(message)
+    return out
+
+
+def _load_media(part: MediaPart, limits: MediaLimits) -> MediaArray:
+    """Fetch and decode one part into the array the engine gets (blocking: run in a pool)."""
+    return MediaArray.of(load_part(part.part, limits, part.where))
+
+
+async def decode_media(parts: list[MediaPart], limits: MediaLimits,
+                       executor: Executor | None) -> list[MediaArray]:
+    """Every part fetched and decoded at once in `executor`, off the event loop; a part
+    that cannot be used is a 400 naming it (the message says which field and why)."""
+    loop = asyncio.get_running_loop()
+
+    async def one(part: MediaPart) -> MediaArray:
+        try:
+            return await loop.run_in_executor(executor, _load_media, part, limits)
+        except MediaError as error:
+            raise APIError(400, str(error), param=part.where, code="invalid_value") from None
+
+    return list(await asyncio.gather(*(one(part) for part in parts)))
 
 
 @dataclass
@@ -124,12 +204,15 @@ class ChatPlan:
     tools: list[dict] | None
     # False when the prompt closed the reasoning block (thinking disabled by the template).
     thinking: bool = True
+    # The media parts to decode, in prompt order; their decoded arrays go in `media`.
+    media_parts: list[MediaPart] = dataclasses.field(default_factory=list)
+    media: list[MediaArray] = dataclasses.field(default_factory=list)
 
 
 def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
               options: ServerOptions) -> ChatPlan:
     check_model(request.model, options)
-    _check_media(request.messages)
+    media_parts = _check_media(request.messages, ready, options.limit_mm_per_prompt)
     tools = [t.model_dump() for t in request.tools] if request.tools else None
     choice = request.tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -170,7 +253,8 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
                     parse_tools=choice != "none" and (options.tool_call_parser == "muse"
                                                       or structured is not None
                                                       and structured.kind == "tool_calls"),
-                    tools=tools, thinking=not reasoning_closed_in_prompt(prompt))
+                    tools=tools, thinking=not reasoning_closed_in_prompt(prompt),
+                    media_parts=media_parts)
 
 
 def reasoning_closed_in_prompt(prompt: list[int]) -> bool:
@@ -188,7 +272,7 @@ def render_chat(messages: list, tools: list[dict] | None, add_generation_prompt:
                 template_kwargs: dict | None, tokenizer, ready: EngineReady,
                 options: ServerOptions) -> list[int]:
     """The conversation's prompt token ids; any template error is a 400 (the request's)."""
-    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    dumped = placeholder_content([m.model_dump(exclude_none=True) for m in messages])
     for message in dumped:
         if message["role"] == "developer":
             message["role"] = "system"

@@ -74,8 +74,8 @@ class DrafterData:
 
 def sample_prompts(num: int, seed: int, split: str) -> list[DrafterPrompt]:
     """`num` prompts of `split`, a pure function of (seed, split). The task mix is the
-    default model's (arithmetic 50%, tools 30%, instructions 20%, by conversation); `task`
-    names the conversation's first exchange even when the cut falls on a follow-up."""
+    default model's text tasks' (`conversations.TEXT_TASKS`, by conversation); `task` names
+    the conversation's first exchange even when the cut falls on a follow-up."""
     rng = random.Random(f"drafter/{split}/{seed}")
     prompts = []
     for _ in range(num):

@@ -35,6 +35,9 @@ class PretrainArgs:
     num_workers: int | None = None  # None: 0 on CPU, up to 8 on GPU
     log_every: int = 10
     save_every_minutes: float = 2.0
+    # Spoken clips for a model with an audio encoder: a saved pool, or this many synthesized.
+    speech_pool: str | None = None
+    speech_clips: int = 6000
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
@@ -111,5 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data loader processes (default: 0 on CPU, up to 8 on GPU)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every,
                         help="steps between lines of train_log.jsonl")
+    parser.add_argument("--speech-pool", default=None,
+                        help="a saved pool of spoken clips (muse.train.data.speech) for the "
+                             "audio task (default: synthesize --speech-clips with espeak-ng)")
+    parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
+                        help="clips to synthesize for the audio task when no --speech-pool is "
+                             "given")
     parser.add_argument("--save-every-minutes", type=float, default=defaults.save_every_minutes,
                         help="minutes between saves of the checkpoint and training state")

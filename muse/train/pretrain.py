@@ -29,9 +29,13 @@ import torch.nn.functional as F
 from muse.checkpoint import ASSETS_DIR, load_weights, save_checkpoint
 from muse.config import MuseSparkConfig
 from muse.info import text_parameters
+from muse.multimodal.processor import MuseSparkProcessor, preset_processor_config
 from muse.presets import get_preset
 from muse.reference.model import MuseForCausalLM
+from muse.reference.multimodal import (ENCODER_PREFIXES, MediaInput,
+                                      MuseSparkForConditionalGeneration)
 from muse.tokenizer import MuseTokenizer
+from muse.train.data.conversations import conversation_tasks
 from muse.train.data.mixture import SOURCES, MixtureConfig, TrainingBatches
 from muse.train.data.python_source import PythonCorpus
 from muse.train.data.split import TRAIN
@@ -62,17 +66,41 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(config: MuseSparkConfig, seed: int) -> MuseForCausalLM:
-    """Seeded initial weights; the output projections of the residual branches (attention's
-    o_proj, the MoE unpooler, a dense MLP's down_proj) are scaled by 1/sqrt(2 * layers) so
-    the residual stream's variance does not grow with depth."""
-    model = MuseForCausalLM(config.text_config)
+    """Seeded initial weights (with the encoders when the config has them); the output
+    projections of the residual branches (attention's o_proj, the MoE unpooler, a dense
+    MLP's down_proj) are scaled by 1/sqrt(2 * layers) so the residual stream's variance does
+    not grow with depth."""
+    has_encoders = config.vision_config is not None or config.audio_config is not None
+    model = MuseSparkForConditionalGeneration(config) if has_encoders \
+        else MuseForCausalLM(config.text_config)
     model.init_weights(seed)
     scale = 1.0 / math.sqrt(2 * config.text_config.num_hidden_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("o_proj.weight", "unpooler.weight", "mlp.down_proj.weight")):
+            if name.startswith("model.") and name.endswith(
+                    ("o_proj.weight", "unpooler.weight", "mlp.down_proj.weight")):
                 param.mul_(scale)
     return model
+
+
+def load_initial_weights(model: MuseForCausalLM, directory: str) -> None:
+    """`--init-from`: every tensor of the checkpoint; a text-only checkpoint may leave the
+    encoders at their initial values (a new modality joining a trained decoder)."""
+    report = load_weights(model, directory, dtype=torch.float32, strict=False)
+    missing = [name for name in report.missing if not name.startswith(ENCODER_PREFIXES)]
+    if missing or report.unexpected:
+        raise ValueError(f"--init-from {directory} does not fit the model: missing "
+                         f"{missing[:5]}, unexpected {report.unexpected[:5]}")
+    if report.missing:
+        logger.info("encoders not in %s start from their initial weights", directory)
+
+
+def processor_for(config: MuseSparkConfig, preset: str, tokenizer: MuseTokenizer
+                  ) -> MuseSparkProcessor | None:
+    """The processor a preset's checkpoints use; None without encoders."""
+    if config.vision_config is None and config.audio_config is None:
+        return None
+    return MuseSparkProcessor(config, preset_processor_config(preset), tokenizer)
 
 
 def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.device
@@ -105,6 +133,7 @@ class Run:
         self.config = get_preset(args.preset)
         self._choose_batch()
         self.tokenizer = MuseTokenizer.base()
+        self.processor = processor_for(self.config, args.preset, self.tokenizer)
         self.step = self.state["step"] if self.state else 0
         # A step-bounded run knows its length (`--steps` counts from step 0, so resuming
         # with a larger value extends the run); a budgeted one fixes it once it has measured
@@ -162,7 +191,9 @@ class Run:
         mixture = MixtureConfig(seq_len=self.args.seq_len, batch_size=self.args.batch_size,
                                 conversation_share=self.args.conversation_share,
                                 seed=self.args.seed)
-        batches = TrainingBatches(mixture, self.tokenizer, corpus)
+        tasks = conversation_tasks(vision=self.config.vision_config is not None,
+                                   speech_pool=self.speech_pool())
+        batches = TrainingBatches(mixture, self.tokenizer, corpus, tasks, self.processor)
         sources = batches[0]["sources"].reshape(-1)
         counts = torch.bincount(sources.long(), minlength=len(SOURCES)).tolist()
         manifest = {"python_source": manifest, "mixture": dataclasses.asdict(mixture),
@@ -170,6 +201,23 @@ class Run:
                                                for name, count in zip(SOURCES, counts)}}
         (self.out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         return batches, manifest
+
+    def speech_pool(self) -> Any:
+        """Spoken clips for the audio task (None without an audio encoder): loaded from
+        `--speech-pool`, or synthesized with espeak-ng before the data workers fork."""
+        if self.config.audio_config is None:
+            return None
+        from muse.train.data.speech import SpeechPool
+
+        if self.args.speech_pool:
+            pool = SpeechPool.load(self.args.speech_pool)
+        else:
+            began = time.monotonic()
+            pool = SpeechPool.build(seed=self.args.seed, size=self.args.speech_clips,
+                                    workers=os.cpu_count() or 1)
+            logger.info("speech pool: %d clips in %.1f s", self.args.speech_clips,
+                        time.monotonic() - began)
+        return pool
 
     def loader(self, batches: TrainingBatches, last_step: int) -> torch.utils.data.DataLoader:
         workers = self.args.num_workers
@@ -187,6 +235,8 @@ class Run:
         began = time.monotonic()
         save_checkpoint(model.state_dict(), self.config, self.out, dtype=torch.bfloat16,
                         tokenizer_from=ASSETS_DIR)
+        if self.processor is not None:
+            self.processor.save_pretrained(self.out)
         state = {"step": self.step, "total_steps": self.total_steps,
                  "tokens_seen": self.tokens_seen,
                  "elapsed_s": self.elapsed_before + self.elapsed(),
@@ -247,8 +297,16 @@ class IntervalStats:
         return time.monotonic() - self.started
 
 
+def _media_of_rows(media: list[MediaInput], rows: slice, device: torch.device
+                   ) -> list[MediaInput]:
+    """The batch's media items in `rows`, renumbered from the slice's start, on `device`."""
+    return [MediaInput(item.kind, item.data.to(device, non_blocking=True), item.spans,
+                       item.row - rows.start)
+            for item in media if rows.start <= item.row < rows.stop]
+
+
 def accumulate_gradients(model: MuseForCausalLM, balance: RouterLoadBalance,
-                         batch: dict[str, torch.Tensor], micro_batch_size: int,
+                         batch: dict[str, Any], micro_batch_size: int,
                          aux_loss_coef: float, device: torch.device
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward and backward over `batch` in micro-batches of `micro_batch_size` rows.
@@ -266,8 +324,10 @@ def accumulate_gradients(model: MuseForCausalLM, balance: RouterLoadBalance,
     losses, balance_losses = [], []
     for start in range(0, rows, micro_batch_size):
         part = slice(start, start + micro_batch_size)
+        media = _media_of_rows(batch.get("media", []), part, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids[part]).logits
+            logits = (model(input_ids[part], media=media) if media
+                      else model(input_ids[part])).logits
         per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                     labels[part].reshape(-1), reduction="none")
         loss = (per_token * weights[part].reshape(-1)).sum() / trained_tokens
@@ -314,7 +374,7 @@ def train(args: PretrainArgs) -> Path:
     if run.state is not None:
         model.load_state_dict(run.state["model"])
     elif args.init_from:
-        load_weights(model, args.init_from, dtype=torch.float32)
+        load_initial_weights(model, args.init_from)
         logger.info("initial weights from %s", args.init_from)
     model = model.to(run.device).train()
     optimizer = build_optimizer(model, args, run.device)

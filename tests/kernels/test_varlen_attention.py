@@ -36,6 +36,33 @@ def test_twin_equals_dense_attention_of_each_sequence_alone() -> None:
         start += length
 
 
+def _dense_each_alone(q, k, v, lengths, scale):
+    out, start = [], 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], k[rows]) * scale
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[rows]))
+        start += length
+    return torch.cat(out)
+
+
+def test_twin_batches_equal_lengths_and_keeps_gradients() -> None:
+    # Repeated lengths in any order, an empty sequence: grouping must put rows back in place.
+    lengths = [4, 7, 4, 0, 7, 4]
+    q, k, v, cu_seqlens = packed(lengths, heads=2, head_dim=8, dtype=torch.float32,
+                                 device="cpu", seed=3)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    references = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = varlen_attention_torch(*inputs, cu_seqlens, scale=0.4)
+    expected = _dense_each_alone(*references, lengths, 0.4)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for got, want in zip(inputs, references):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_no_attention_across_sequences() -> None:
     q, k, v, cu_seqlens = packed([4, 6], heads=2, head_dim=8, dtype=torch.float32,
                                  device="cpu")

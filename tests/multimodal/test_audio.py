@@ -3,7 +3,14 @@ import pytest
 import torch
 
 from muse.info import audio_parameters
-from muse.multimodal.audio import AudioEncoder, frames, num_audio_tokens, sinusoidal_positions
+from muse.multimodal.audio import (
+    AudioEncoder,
+    frames,
+    log_mel_features,
+    mel_filterbank,
+    num_audio_tokens,
+    sinusoidal_positions,
+)
 from muse.presets import full_816b, tiny
 
 # Packed and per-clip runs differ only in the attention mask, so float32 sums in a different
@@ -84,7 +91,8 @@ def test_sinusoidal_positions_are_computed_not_stored():
     assert torch.equal(positions[0], torch.tensor([0.0, 0, 0, 1, 1, 1]))
     assert sinusoidal_positions(3, 7).shape == (3, 7)
     encoder = _randomized_encoder()
-    assert not list(encoder.buffers())
+    # The mel filters are a buffer computed from the config, not stored in checkpoints.
+    assert set(encoder.state_dict()) == {name for name, _ in encoder.named_parameters()}
 
 
 def test_parameter_count_matches_info_tiny():
@@ -122,3 +130,26 @@ def test_wrong_sample_rate_is_a_clear_value_error():
         encoder(_clips([16000]), sample_rate=16000)
     (out,) = encoder(_clips([24000]), sample_rate=24000)
     assert out.shape[0] == 13
+
+
+def test_log_mel_features_put_a_tone_in_its_band():
+    config = tiny().audio_config
+    seconds = torch.arange(3 * 1920, dtype=torch.float64) / config.sample_rate
+    tone = torch.sin(2 * torch.pi * 1000.0 * seconds).float()
+    features = log_mel_features(tone, config)
+    frames_per_token = config.samples_per_token // config.mel_hop_length
+    assert features.shape == (3, frames_per_token * config.num_mel_bins)
+    loudest = features.reshape(-1, config.num_mel_bins)[:16].argmax(-1)
+    # The band whose filter peaks nearest 1 kHz.
+    peaks = mel_filterbank(config).argmax(0).double() * config.sample_rate / config.mel_n_fft
+    assert set(loudest.tolist()) == {int((peaks - 1000.0).abs().argmin())}
+
+
+def test_mel_filterbank_covers_up_to_its_top_frequency():
+    config = tiny().audio_config
+    filters = mel_filterbank(config)
+    assert filters.shape == (config.mel_n_fft // 2 + 1, config.num_mel_bins)
+    assert filters.max() <= 1.0 and filters.min() >= 0.0
+    hz = torch.arange(filters.shape[0]) * config.sample_rate / config.mel_n_fft
+    assert filters[hz > config.mel_max_hz].abs().sum() == 0
+    assert (filters.sum(0) > 0).all()

@@ -79,7 +79,7 @@ def media_prompt(seed: int) -> list[int]:
 
 def test_image_and_audio_match_the_reference(llm, oracle):
     ids = media_prompt(1)
-    data = {"image": [image(0)], "audio": [clip(0)]}
+    data = {"image": [image(0)], "audio": [clip(5)]}
     expanded, expected = reference_media_greedy(oracle, ids, data)
     (out,) = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": data}], greedy(),
                           use_tqdm=False)

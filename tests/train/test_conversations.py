@@ -12,7 +12,9 @@ from muse.chat_format import ASSISTANT_ID, END_OF_TURN_ID, THINK_END_ID, THINK_S
 from muse.eval.schema import schema_errors
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import arithmetic, instructions, tools
-from muse.train.data.conversations import TASKS, sample_conversation
+from muse.train.data.conversations import (TASK_NAMES, TEXT_TASKS, conversation_tasks,
+                                           sample_conversation)
+from tests.train.helpers import NoiseSpeechPool
 from muse.train.data.split import HELD_OUT, TRAIN, is_held_out
 
 
@@ -33,7 +35,17 @@ def test_generators_are_deterministic_per_seed() -> None:
 
 
 def test_every_task_appears() -> None:
-    assert {c.task for c in _conversations(0, 200)} == {task.name for task in TASKS}
+    assert {c.task for c in _conversations(0, 200)} == {task.name for task in TEXT_TASKS}
+    rng = random.Random(0)
+    tasks = conversation_tasks(vision=True, speech_pool=NoiseSpeechPool())
+    conversations = [sample_conversation(rng, TRAIN, tasks) for _ in range(200)]
+    assert {c.task for c in conversations} == set(TASK_NAMES)
+    for conversation in conversations:
+        # One media item per placeholder part, of the part's kind.
+        parts = [part["type"] for message in conversation.messages
+                 if isinstance(message["content"], list) for part in message["content"]
+                 if part["type"] != "text"]
+        assert parts == [kind for kind, items in conversation.media.items() for _ in items]
 
 
 def test_conversations_render_and_round_trip(tokenizer: MuseTokenizer) -> None:

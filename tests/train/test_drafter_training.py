@@ -24,6 +24,7 @@ from muse.speculative.drafter import (
     load_drafter,
 )
 from muse.tokenizer import MuseTokenizer
+from muse.train.data.conversations import TEXT_TASKS
 from muse.train.data.split import HELD_OUT, TRAIN
 from muse.train import drafter as drafter_training
 from muse.train.drafter import (
@@ -78,7 +79,7 @@ def test_prompts_are_seeded_and_train_and_held_out_never_meet() -> None:
     # Every prompt ends with the generation prompt, as LLM.chat renders it.
     assert all(assistant in ids[-3:] for ids in train)
     prompts = sample_prompts(60, 0, TRAIN)
-    assert {p.task for p in prompts} == {"arithmetic", "tools", "instructions"}
+    assert {p.task for p in prompts} == {task.name for task in TEXT_TASKS}
     assert all(p.messages[-1]["role"] != "assistant" for p in prompts)
 
 

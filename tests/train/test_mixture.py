@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
-
 import pytest
 import torch
 
-from muse.chat_format import ASSISTANT_ID, BOS_ID, END_OF_TURN_ID, USER_ID
+from muse.chat_format import (ASSISTANT_ID, AUDIO_ID, BOS_ID, END_OF_TURN_ID, IMAGE_ID, USER_ID,
+                              VIDEO_ID)
+from muse.multimodal.processor import MuseSparkProcessor, ProcessorConfig
+from muse.presets import PROCESSOR_SETTINGS, get_preset
 from muse.tokenizer import MuseTokenizer
-from muse.train.data.conversations import Conversation
+from muse.train.data.conversations import Conversation, conversation_tasks
 from muse.train.data.mixture import (
     NO_LOSS,
     PYTHON_SOURCE,
@@ -21,6 +23,7 @@ from muse.train.data.mixture import (
 )
 from muse.train.data.python_source import PythonCorpus, SourceFile
 from muse.train.data.split import TRAIN
+from tests.train.helpers import NoiseSpeechPool
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,8 @@ def test_assistant_mask_covers_assistant_turns_through_their_end(
         {"role": "assistant", "reasoning_content": "2+2=4, write 4. So 4.", "content": "4"},
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "reasoning_content": "3+3=6, write 6. So 6.", "content": "6"}])
-    ids, sources = encode_conversation(conversation, tokenizer)
+    ids, sources, media = encode_conversation(conversation, tokenizer)
+    assert media == []
     trained = [token for token, source in zip(ids, sources) if source != NO_LOSS]
     expected = tokenizer.encode("<think>2+2=4, write 4. So 4.</think>4<|end|>"
                                 "<think>3+3=6, write 6. So 6.</think>6<|end|>")
@@ -66,7 +70,8 @@ def test_batches_are_fixed_length_and_deterministic(tokenizer: MuseTokenizer,
     assert first["input_ids"].shape == first["labels"].shape == first["sources"].shape == (3, 256)
     assert torch.equal(first["labels"][:, :-1], first["input_ids"][:, 1:])
     again = TrainingBatches(config, tokenizer, corpus)[4]
-    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert first["media"] == again["media"] == []
+    assert all(torch.equal(first[k], again[k]) for k in ("input_ids", "labels", "sources"))
     assert not torch.equal(first["input_ids"], batches[5]["input_ids"])
     other_seed = TrainingBatches(MixtureConfig(seq_len=256, batch_size=3, seed=6), tokenizer,
                                  corpus)[4]
@@ -107,3 +112,29 @@ def test_python_chunks_have_the_requested_length(tokenizer: MuseTokenizer,
 def test_conversation_share_is_validated() -> None:
     with pytest.raises(ValueError, match="conversation_share"):
         MixtureConfig(conversation_share=1.5)
+
+
+def test_media_rows_put_each_items_spans_on_its_placeholder_tokens(
+        tokenizer: MuseTokenizer) -> None:
+    config = get_preset("muse-spark-default")
+    processor = MuseSparkProcessor(config, ProcessorConfig(**PROCESSOR_SETTINGS[
+        "muse-spark-default"]), tokenizer)
+    tasks = conversation_tasks(vision=True, speech_pool=NoiseSpeechPool())
+    batches = TrainingBatches(MixtureConfig(seq_len=1024, batch_size=4, seed=2), tokenizer,
+                              None, tasks, processor)
+    token_of = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}
+    kinds = set()
+    for step in range(2):
+        batch = batches[step]
+        ids, sources = batch["input_ids"], batch["sources"]
+        covered = torch.zeros_like(ids, dtype=torch.bool)
+        for item in batch["media"]:
+            kinds.add(item.kind)
+            for start, length in item.spans:
+                assert (ids[item.row, start:start + length] == token_of[item.kind]).all()
+                covered[item.row, start:start + length] = True
+        placeholders = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
+        assert torch.equal(covered, placeholders)
+        # Media tokens are context: never a training target.
+        assert not (placeholders[:, 1:] & (sources[:, :-1] != NO_LOSS)).any()
+    assert kinds == {"image", "video", "audio"}

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from muse.checkpoint import load_reference_model
 from muse.cli import main
+from muse.presets import get_preset
 from muse.train import memory, pretrain
 from muse.train.data.python_source import PythonCorpus, SourceFile
 from muse.train.options import STATE_FILE
+from tests.train.helpers import NoiseSpeechPool
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +37,12 @@ def small_corpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         return corpus, corpus.manifest([])
 
     monkeypatch.setattr(PythonCorpus, "discover", classmethod(discover))
+
+
+@pytest.fixture(autouse=True)
+def noise_speech(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny preset has an audio encoder: its clips come from a stand-in pool."""
+    monkeypatch.setattr(pretrain.Run, "speech_pool", lambda run: NoiseSpeechPool())
 
 
 def _train(out: Path, *flags: str) -> None:
@@ -95,18 +104,39 @@ def test_a_time_budget_stops_the_run_and_saves(tmp_path: Path) -> None:
 
 
 def test_the_default_preset_fits_the_shipping_limit() -> None:
-    from muse.info import text_parameters
+    from muse.info import audio_parameters, text_parameters, vision_parameters
     from muse.presets import get_preset
 
     config = get_preset("muse-spark-default")
-    parameters = text_parameters(config.text_config)
-    assert parameters.total * 2 <= 48_000_000
     text = config.text_config
+    total = text_parameters(text).total \
+        + vision_parameters(config.vision_config, text.hidden_size) \
+        + audio_parameters(config.audio_config, text.hidden_size)
+    # The checkpoint, encoders included, stays within 64 MB of bf16 weights.
+    assert total * 2 <= 64_000_000
     assert set(text.layer_types) == {"sliding_attention", "full_attention"}
     assert text.moe_latent_size and text.expert_norm and text.qk_norm
     assert text.num_key_value_heads < text.num_attention_heads
     model = pretrain.build_model(config, seed=0)
-    assert sum(p.numel() for p in model.parameters()) == parameters.total
+    assert sum(p.numel() for p in model.parameters()) == total
+
+
+def test_media_conversations_train_the_encoders(tmp_path: Path) -> None:
+    out = tmp_path / "media"
+    _train(out, "--steps", "2", "--seq-len", "512", "--batch-size", "4")
+    names = set(safe_open(out / "model.safetensors", "pt").keys())
+    assert any(name.startswith("vision_tower.") for name in names)
+    assert any(name.startswith("audio_tower.") for name in names)
+    assert (out / "processor_config.json").is_file()
+    state = torch.load(out / STATE_FILE, weights_only=False)["model"]
+    first = pretrain.build_model(get_preset("muse-spark-tiny"), seed=3).state_dict()
+    for tower in ("vision_tower.", "audio_tower."):
+        moved = [name for name, tensor in state.items()
+                 if name.startswith(tower) and not torch.equal(tensor, first[name])]
+        assert moved, f"no {tower} weight was trained"
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert any(r.get("loss_image") or r.get("loss_video") or r.get("loss_audio")
+               for r in records)
 
 
 def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path) -> None:

@@ -1,19 +1,25 @@
 """Whole conversations in the Muse chat format, drawn from a weighted registry of tasks.
 
 A conversation is an optional system prompt (carrying the tool list when tools are offered)
-and one to three exchanges. Every assistant turn opens with a reasoning block. New kinds of
-example (images, video, audio: their user turns are content-part lists, which the chat
-template already renders as placeholders) join by adding a `Task` to `TASKS`.
+and one to three exchanges. Every assistant turn opens with a reasoning block. Media tasks
+(images, video, audio) have content-part user turns, which the chat template renders as
+placeholders; the pixels, frames or waveforms travel in `Conversation.media`, in
+placeholder order, for the processor to expand. `conversation_tasks` gives the registry a
+model trains on: the text tasks, plus the media tasks its encoders can take.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from muse.train.data import arithmetic, instructions, tools
+import numpy as np
+from PIL import Image
+
+from muse.train.data import arithmetic, instructions, tools, unseen_tools, vision_tasks
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assistant. Be brief.",
                   "Answer the user's question.", "You are a careful assistant that shows its work."]
@@ -32,6 +38,8 @@ class Conversation:
     task: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    # "image" / "video" / "audio" -> the items of the placeholders of that kind, in order.
+    media: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,79 @@ def tool_conversation(rng: random.Random, split: str) -> Conversation:
     return Conversation("tools", messages, offered)
 
 
-TASKS: list[Task] = [
-    Task("arithmetic", 0.5, arithmetic_conversation),
-    Task("tools", 0.3, tool_conversation),
-    Task("instructions", 0.2, instruction_conversation),
+def unseen_tool_conversation(rng: random.Random, split: str) -> Conversation:
+    """Tools with made-up names and arguments: a call copying values from the request, a
+    choice among several tools, or no call when none fits."""
+    case = unseen_tools.sample_case(rng, split)
+    return Conversation("unseen_tools", _system(rng) + unseen_tools.exchange(case),
+                        unseen_tools.offered_schemas(case))
+
+
+def _rescaled(image: Image.Image, rng: random.Random) -> Image.Image:
+    """The picture at another size and aspect ratio, as users' images come; the processor
+    then brings it within the model's pixel range."""
+    scale, aspect = rng.uniform(0.6, 1.6), rng.uniform(0.8, 1.25)
+    width = max(28, round(image.width * scale * aspect ** 0.5))
+    height = max(28, round(image.height * scale / aspect ** 0.5))
+    return image.resize((width, height), Image.Resampling.BILINEAR)
+
+
+def image_conversation(rng: random.Random, split: str) -> Conversation:
+    case = vision_tasks.sample_image_case(rng, split)
+    return Conversation("image", _system(rng) + case.messages(),
+                        media={"image": [_rescaled(case.image, rng)]})
+
+
+# Frame rates a training clip is said to have been sampled at: the time markers then take
+# the values users' videos give them.
+VIDEO_FPS = (1.0, 2.0, 3.0, 4.0, 5.0, 8.0, 10.0, 15.0, 24.0, 30.0)
+
+
+def video_conversation(rng: random.Random, split: str) -> Conversation:
+    """A moving-shape clip of 4 to 8 of its frames (evenly spaced), with timestamps."""
+    case = vision_tasks.sample_video_case(rng, split)
+    count = rng.choice((4, 6, 8))
+    keep = np.linspace(0, len(case.frames) - 1, count).round().astype(np.int64)
+    timestamps = np.arange(count, dtype=np.float64) / rng.choice(VIDEO_FPS)
+    return Conversation("video", _system(rng) + case.messages(),
+                        media={"video": [(case.frames[keep], timestamps)]})
+
+
+def audio_conversation(rng: random.Random, split: str, pool: Any) -> Conversation:
+    """A spoken number, word or sum drawn from `pool` (a `speech.SpeechPool`)."""
+    case = pool.sample_case(rng)
+    return Conversation("audio", _system(rng) + case.messages(), media={"audio": [case.audio]})
+
+
+# Weights by conversation count (a model without encoders trains on the text tasks alone,
+# in these proportions). The media tasks' short answers need many examples, the text tasks
+# of the first version fewer: its skills are kept, not learned anew.
+TEXT_TASKS: list[Task] = [
+    Task("arithmetic", 0.15, arithmetic_conversation),
+    Task("tools", 0.08, tool_conversation),
+    Task("instructions", 0.07, instruction_conversation),
+    Task("unseen_tools", 0.2, unseen_tool_conversation),
 ]
+IMAGE_TASK = Task("image", 0.22, image_conversation)
+VIDEO_TASK = Task("video", 0.1, video_conversation)
+AUDIO_WEIGHT = 0.18
+# Every task name, in a fixed order: training logs a loss per name.
+TASK_NAMES: tuple[str, ...] = (*(task.name for task in TEXT_TASKS), "image", "video", "audio")
 
 
-def sample_conversation(rng: random.Random, split: str) -> Conversation:
-    task = rng.choices(TASKS, weights=[t.weight for t in TASKS])[0]
+def conversation_tasks(vision: bool = False, speech_pool: Any = None) -> list[Task]:
+    """The text tasks, plus image and video tasks with `vision`, plus the audio task with a
+    pool of spoken clips."""
+    tasks = list(TEXT_TASKS)
+    if vision:
+        tasks += [IMAGE_TASK, VIDEO_TASK]
+    if speech_pool is not None:
+        tasks.append(Task("audio", AUDIO_WEIGHT, partial(audio_conversation, pool=speech_pool)))
+    return tasks
+
+
+def sample_conversation(rng: random.Random, split: str,
+                        tasks: list[Task] | None = None) -> Conversation:
+    tasks = TEXT_TASKS if tasks is None else tasks
+    task = rng.choices(tasks, weights=[t.weight for t in tasks])[0]
     return task.make(rng, split)

@@ -6,6 +6,10 @@ Python chunk filling the rest, placed before or after them. Every token carries 
 0 for no loss, 1 for Python (loss on every token but `<|bos|>`), 2.. for a conversation task
 (loss on assistant turns only, their `<|end|>` included, so the model learns to stop).
 
+Conversations with media are expanded by the model's processor: each placeholder becomes as
+many tokens as its encoder gives, and the batch lists every item (`MediaInput`: its encoder
+input, its row and its spans there) for the model to encode and write over those tokens.
+
 Batch `step` is a pure function of (seed, step): resuming at a step replays exactly the data
 an uninterrupted run would have seen, and data loader workers need no coordination.
 """
@@ -14,20 +18,22 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from muse.chat_format import ASSISTANT_ID, BOS_ID, END_OF_TURN_ID, PAD_ID
+from muse.reference.multimodal import MediaInput
 from muse.tokenizer import MuseTokenizer
-from muse.train.data.conversations import TASKS, Conversation, sample_conversation
+from muse.train.data.conversations import TASK_NAMES, Conversation, Task, sample_conversation
 from muse.train.data.python_source import PythonCorpus
 from muse.train.data.split import TRAIN
 
 NO_LOSS = 0
 PYTHON_SOURCE = 1
-SOURCES: tuple[str, ...] = ("none", "python", *(task.name for task in TASKS))
-TASK_SOURCE = {task.name: index for index, task in enumerate(TASKS, start=2)}
+SOURCES: tuple[str, ...] = ("none", "python", *TASK_NAMES)
+TASK_SOURCE = {name: index for index, name in enumerate(TASK_NAMES, start=2)}
 
 
 @dataclass(frozen=True)
@@ -58,39 +64,63 @@ def assistant_mask(token_ids: list[int]) -> list[bool]:
     return mask
 
 
-def encode_conversation(conversation: Conversation, tokenizer: MuseTokenizer
-                        ) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and each token's source id."""
+def encode_conversation(conversation: Conversation, tokenizer: MuseTokenizer,
+                        processor: Any = None) -> tuple[list[int], list[int], list[MediaInput]]:
+    """Token ids of the rendered conversation (media placeholders expanded by `processor`, a
+    `MuseSparkProcessor`), each token's source id, and its media items (spans from 0)."""
     ids = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools,
                                         tokenize=True)
+    media: list[MediaInput] = []
+    if conversation.media:
+        if processor is None:
+            raise ValueError(f"a {conversation.task} conversation needs the model's processor")
+        out = processor(ids, images=conversation.media.get("image", []),
+                        videos=conversation.media.get("video", []),
+                        audios=conversation.media.get("audio", []))
+        ids = out.input_ids
+        media = [MediaInput(item.kind, item.data, list(item.spans)) for item in out.media]
     source = TASK_SOURCE[conversation.task]
-    return ids, [source if inside else NO_LOSS for inside in assistant_mask(ids)]
+    return ids, [source if inside else NO_LOSS for inside in assistant_mask(ids)], media
+
+
+def _shifted(media: list[MediaInput], offset: int, row: int) -> list[MediaInput]:
+    return [MediaInput(item.kind, item.data, [(start + offset, n) for start, n in item.spans],
+                       row) for item in media]
 
 
 class TrainingBatches(torch.utils.data.Dataset):
-    """Map-style dataset whose item `step` is that step's whole batch."""
+    """Map-style dataset whose item `step` is that step's whole batch.
+
+    tasks: the conversation tasks (default: the text tasks); processor: the model's
+    `MuseSparkProcessor`, needed when a task has media."""
 
     def __init__(self, config: MixtureConfig, tokenizer: MuseTokenizer,
-                 python: PythonCorpus | None) -> None:
+                 python: PythonCorpus | None, tasks: list[Task] | None = None,
+                 processor: Any = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.python = python if python is not None and python.texts else None
+        self.tasks = tasks
+        self.processor = processor
 
-    def row(self, step: int, index: int) -> tuple[list[int], list[int]]:
-        """Tokens and source ids of one row (`seq_len + 1` long)."""
+    def row(self, step: int, index: int) -> tuple[list[int], list[int], list[MediaInput]]:
+        """Tokens, source ids and media items (row `index`) of one row (`seq_len + 1`
+        tokens)."""
         length = self.config.seq_len + 1
         rng = random.Random(f"{self.config.seed}/{step}/{index}")
         budget = round(length * self.config.conversation_share) if self.python else length
         ids: list[int] = []
         sources: list[int] = []
+        media: list[MediaInput] = []
         while len(ids) < budget:
-            conversation_ids, conversation_sources = encode_conversation(
-                sample_conversation(rng, TRAIN), self.tokenizer)
+            conversation_ids, conversation_sources, conversation_media = encode_conversation(
+                sample_conversation(rng, TRAIN, self.tasks), self.tokenizer, self.processor)
             size = len(conversation_ids)
             # Taking a conversation when at least half of it fits the budget makes the
             # expected share equal the budget rather than overshoot it.
             if len(ids) + size > length or len(ids) + size / 2 > budget:
                 break
+            media += _shifted(conversation_media, len(ids), index)
             ids += conversation_ids
             sources += conversation_sources
         rest = length - len(ids)
@@ -98,13 +128,14 @@ class TrainingBatches(torch.utils.data.Dataset):
             chunk = self.python.sample_tokens(rng, rest, self.tokenizer)
             chunk_sources = [NO_LOSS if t == BOS_ID else PYTHON_SOURCE for t in chunk]
             if rng.random() < 0.5:
-                return chunk + ids, chunk_sources + sources
-            return ids + chunk, sources + chunk_sources
-        return ids + [PAD_ID] * rest, sources + [NO_LOSS] * rest
+                return chunk + ids, chunk_sources + sources, _shifted(media, len(chunk), index)
+            return ids + chunk, sources + chunk_sources, media
+        return ids + [PAD_ID] * rest, sources + [NO_LOSS] * rest, media
 
-    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, step: int) -> dict[str, Any]:
         rows = [self.row(step, index) for index in range(self.config.batch_size)]
-        tokens = torch.from_numpy(np.array([ids for ids, _ in rows], dtype=np.int64))
-        sources = torch.from_numpy(np.array([src for _, src in rows], dtype=np.uint8))
+        tokens = torch.from_numpy(np.array([ids for ids, _, _ in rows], dtype=np.int64))
+        sources = torch.from_numpy(np.array([src for _, src, _ in rows], dtype=np.uint8))
         # Position t predicts token t + 1, so a label's source says whether it is trained on.
-        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "sources": sources[:, 1:]}
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "sources": sources[:, 1:],
+                "media": [item for _, _, row_media in rows for item in row_media]}
