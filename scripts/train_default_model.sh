@@ -19,7 +19,7 @@
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
-# SECTIONS (default: every eval section) picks what `muse eval` runs.
+# SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
 # OUT receives only small files, at most 16 MiB each:
 #   checkpoint.tar.part-NN   the shippable checkpoint folder muse-spark-default/ (weights,
 #                            config, processor and generation configs, tokenizer + chat
@@ -45,7 +45,7 @@ if ! command -v espeak-ng >/dev/null; then
     source scripts/espeak_env.sh
 fi
 
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/run.log"
@@ -63,6 +63,7 @@ tar -c -C "$WORK" --exclude training_state.pt --exclude '*.partial' muse-spark-d
 cp "$MODEL/train_summary.json" "$OUT/"
 if [ -f "$MODEL/loss.png" ]; then cp "$MODEL/loss.png" "$OUT/"; fi
 
+if [ "$EVAL_NUM" = 0 ]; then exit 0; fi
 EVAL=("$PYTHON" -m muse.cli eval "$MODEL" --num "$EVAL_NUM" --sections "$SECTIONS"
       --json "$OUT/eval.json")
 echo "+ ${EVAL[*]}" | tee -a "$LOG"

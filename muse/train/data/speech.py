@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import subprocess
+import wave
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -282,13 +283,18 @@ def trim_silence(waveform: np.ndarray, rate: int) -> np.ndarray:
 
 
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and their rate from WAV bytes (espeak's streamed header, whose
-    sizes are placeholders, reads fine)."""
-    import soundfile  # the media dependencies; imported here so the module loads without them
-
-    waveform, rate = soundfile.read(io.BytesIO(data), dtype="float32")
-    if waveform.ndim > 1:
-        waveform = waveform.mean(axis=1)
+    """Mono float32 samples and their rate from espeak-ng's 16-bit PCM WAV bytes. The
+    standard library's reader suffices (so synthesis needs no media libraries): it reads to
+    the end of the bytes whatever frame count espeak's streamed header claims."""
+    with wave.open(io.BytesIO(data)) as reader:
+        if reader.getsampwidth() != 2:
+            raise ValueError(f"expected 16-bit PCM from espeak-ng, got "
+                             f"{8 * reader.getsampwidth()}-bit samples")
+        channels, rate = reader.getnchannels(), reader.getframerate()
+        pcm = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
+    waveform = pcm.astype(np.float32) / 32768.0
+    if channels > 1:
+        waveform = waveform.reshape(-1, channels).mean(axis=1)
     return waveform, rate
 
 
