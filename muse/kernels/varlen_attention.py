@@ -52,7 +52,8 @@ def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not pieces:
         return torch.zeros_like(q)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    out = out.index_copy(0, torch.cat(order), torch.cat(pieces))
+    # float(): under autocast SDPA returns bf16 whatever its inputs.
+    out = out.index_copy(0, torch.cat(order), torch.cat(pieces).float())
     return out.to(q.dtype)
 
 
