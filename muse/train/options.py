@@ -32,7 +32,7 @@ class PretrainArgs:
     resume: bool = False
     init_from: str | None = None  # start from this checkpoint's weights (fresh optimizer)
     device: str = "auto"
-    num_workers: int | None = None  # None: 0 on CPU, up to 8 on GPU
+    num_workers: int | None = None  # None: 0 on CPU, up to 16 on GPU
     log_every: int = 10
     save_every_minutes: float = 2.0
     # Spoken clips for a model with an audio encoder: a saved pool, or this many synthesized.
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=defaults.device,
                         help="cpu, cuda, cuda:N, or auto (cuda when available)")
     parser.add_argument("--num-workers", type=int, default=None,
-                        help="data loader processes (default: 0 on CPU, up to 8 on GPU)")
+                        help="data loader processes (default: 0 on CPU, up to 16 on GPU)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every,
                         help="steps between lines of train_log.jsonl")
     parser.add_argument("--speech-pool", default=None,

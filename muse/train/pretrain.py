@@ -145,6 +145,7 @@ class Run:
         self.tokens_seen = self.state["tokens_seen"] if self.state else 0
         self.elapsed_before = self.state["elapsed_s"] if self.state else 0.0
         self.save_seconds = 0.0
+        self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
 
     def _choose_batch(self) -> None:
         """Fill in what was not given of the batch (a resumed run keeps its batch and
@@ -222,7 +223,7 @@ class Run:
     def loader(self, batches: TrainingBatches, last_step: int) -> torch.utils.data.DataLoader:
         workers = self.args.num_workers
         if workers is None:
-            workers = 0 if self.device.type == "cpu" else min(8, max(1, (os.cpu_count() or 2) - 2))
+            workers = 0 if self.device.type == "cpu" else min(16, max(1, (os.cpu_count() or 2) - 2))
         # Workers are forked processes; tokenizers' own thread pool must not be copied into
         # them mid-use.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -345,18 +346,22 @@ def accumulate_gradients(model: MuseForCausalLM, balance: RouterLoadBalance,
 def train_step(model: MuseForCausalLM, optimizer: torch.optim.Optimizer,
                balance: RouterLoadBalance, batch: dict[str, torch.Tensor], lr: float,
                args: PretrainArgs, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
     """One optimizer step; returns per-token losses, their sources, the balance loss and the
-    gradient norm before clipping (all still on the device: reading them would sync)."""
+    gradient norm before clipping (still on the device), and whether the step was taken: a
+    non-finite gradient norm skips the update, since one NaN would spread to every weight
+    (reading the norm costs one sync a step, small beside a step's work)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     per_token, sources, aux = accumulate_gradients(
         model, balance, batch, args.micro_batch_size or args.batch_size, args.aux_loss_coef,
         device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
+    taken = bool(torch.isfinite(grad_norm))
+    if taken:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return per_token, sources, aux, grad_norm
+    return per_token, sources, aux, grad_norm, taken
 
 
 def train(args: PretrainArgs) -> Path:
@@ -405,9 +410,12 @@ def train(args: PretrainArgs) -> Path:
                 break
             lr = learning_rate(run.step, args.lr, args.warmup_steps,
                                run.total_steps or last_step, args.min_lr_ratio)
-            per_token, sources, aux, grad_norm = train_step(
+            per_token, sources, aux, grad_norm, taken = train_step(
                 model, optimizer, balance, next(data), lr, args, run.device)
-            stats.add(per_token, sources, aux)
+            if taken:
+                stats.add(per_token, sources, aux)
+            else:
+                _report_skipped(run, per_token, sources)
             run.step += 1
             run.tokens_seen += tokens_per_step
 
@@ -432,12 +440,20 @@ def train(args: PretrainArgs) -> Path:
     return run.out
 
 
+def _report_skipped(run: Run, per_token: torch.Tensor, sources: torch.Tensor) -> None:
+    run.skipped_steps += 1
+    bad = sorted({SOURCES[int(s)] for s in sources.reshape(-1)[~per_token.isfinite()].tolist()})
+    logger.warning("step %d: non-finite gradient norm, update skipped (%d so far); "
+                   "non-finite losses in: %s", run.step + 1, run.skipped_steps,
+                   ", ".join(bad) or "none (the backward pass)")
+
+
 def _log(log: IO[str], run: Run, stats: IntervalStats, lr: float, grad_norm: torch.Tensor,
          tokens_per_step: int) -> None:
     """Append one train_log.jsonl record covering the steps since the last one."""
     record = {"step": run.step, **stats.record(), "lr": lr, "grad_norm": float(grad_norm),
               "tokens_per_s": tokens_per_step * stats.steps / stats.seconds(),
-              "tokens_seen": run.tokens_seen,
+              "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
               "elapsed_s": round(run.elapsed_before + run.elapsed(), 2)}
     log.write(json.dumps(record) + "\n")
     log.flush()
@@ -481,6 +497,7 @@ def _write_summary(run: Run, manifest: dict[str, Any], parameters: Any) -> None:
         "steps": run.step,
         "scheduled_steps": run.total_steps,
         "tokens_seen": run.tokens_seen,
+        "skipped_steps": run.skipped_steps,
         "elapsed_s": round(run.elapsed_before + run.elapsed(), 1),
         "parameters": {"total": parameters.total, "active": parameters.active},
         "device": torch.cuda.get_device_name(run.device) if run.device.type == "cuda"

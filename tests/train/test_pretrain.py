@@ -165,3 +165,24 @@ def test_the_batch_is_chosen_from_free_memory_and_logged(
     assert (args["batch_size"], args["micro_batch_size"], args["seq_len"]) == (4, 2, 1024)
     assert "4 x 1024 tokens per step in 2 micro-batch(es) of 2" in caplog.text
     load_reference_model(out)
+
+
+def test_a_non_finite_gradient_skips_the_update(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    original = pretrain.accumulate_gradients
+    calls = []
+
+    def poisoned(model, *args, **kwargs):
+        out = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(pretrain, "accumulate_gradients", poisoned)
+    out = tmp_path / "nan"
+    _train(out, "--steps", "3")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["skipped_steps"] == 1
+    state = torch.load(out / STATE_FILE, weights_only=False)["model"]
+    assert all(torch.isfinite(tensor).all() for tensor in state.values())
