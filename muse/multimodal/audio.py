@@ -4,7 +4,8 @@ A clip's mono waveform is zero-padded to whole tokens of `samples_per_token` sam
 front end is a log-mel spectrogram: STFT frames every `mel_hop_length` samples (10 ms),
 `num_mel_bins` mel bands up to `mel_max_hz`, log10 with the dynamic range clamped to 8
 decades below the clip's loudest band, as Whisper does (silence and near-silence look alike
-whatever the recording's noise floor). A token's features are its 8 frames side by side, embedded by one linear
+whatever the recording's noise floor). A token's features are its 8 frames side by side,
+embedded by one linear
 map (a convolution whose kernel and stride are a token's frames). Sinusoidal positions
 counted from the clip's first token are added, and a stack of pre-norm bidirectional
 transformer layers runs over the tokens. A final LayerNorm and a linear projector map each

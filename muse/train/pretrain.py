@@ -51,8 +51,10 @@ LOG_FILE = "train_log.jsonl"
 PLOT_FILE = "loss.png"
 MANIFEST_FILE = "data_manifest.json"
 SUMMARY_FILE = "train_summary.json"
-# Steps before timing starts (allocator warm-up, first kernels) when estimating step time.
-TIMING_SKIP_STEPS = 3
+# Steps before timing starts (allocator warm-up, first kernels, data workers filling their
+# queues) when estimating step time: the early steps run slower, and a schedule fixed from
+# them would end the run well before its budget.
+TIMING_SKIP_STEPS = 30
 # Arguments that define the model and the data stream: a resumed run must keep them.
 RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
                 "weight_decay", "grad_clip", "seed", "conversation_share", "aux_loss_coef",
@@ -223,7 +225,8 @@ class Run:
     def loader(self, batches: TrainingBatches, last_step: int) -> torch.utils.data.DataLoader:
         workers = self.args.num_workers
         if workers is None:
-            workers = 0 if self.device.type == "cpu" else min(16, max(1, (os.cpu_count() or 2) - 2))
+            workers = 0 if self.device.type == "cpu" \
+                else min(16, max(1, (os.cpu_count() or 2) - 2))
         # Workers are forked processes; tokenizers' own thread pool must not be copied into
         # them mid-use.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -56,11 +56,26 @@ def test_held_out_tools_use_only_held_out_words() -> None:
         cases = _cases(11, 200, split)
         tools = [tool for case in cases for tool in (case.requested, *case.offered)]
         for tool in tools:
-            assert set(tool.name.split("_")) <= words[split]
+            if split == HELD_OUT:
+                assert set(tool.name.split("_")) <= words[split]
+            # Training words are the training list's or made up, never held-out ones.
+            assert not set(tool.name.split("_")) & words[HELD_OUT] - words[split]
             for argument in tool.arguments:
-                assert argument.name.split("_")[-1] in argument_words[split]
+                word = argument.name.split("_")[-1]
+                assert word in argument_words[split] or (
+                    split == TRAIN and word not in argument_words[HELD_OUT])
         names[split] = {tool.name for tool in tools}
     assert not names[TRAIN] & names[HELD_OUT]
+
+
+def test_training_names_are_mostly_made_up_so_they_must_be_copied() -> None:
+    tools = [case.requested for case in _cases(5, 400, TRAIN)]
+    listed = set(unseen_tools.VERBS) | {verb for verb, _ in unseen_tools.FAMILIAR_NAMES}
+    made_up = [tool for tool in tools if tool.verb not in listed]
+    assert 0.4 < len(made_up) / len(tools) < 0.75
+    assert len({tool.verb for tool in made_up}) > 0.9 * len(made_up)
+    familiar = {f"{verb}_{noun}" for verb, noun in unseen_tools.FAMILIAR_NAMES}
+    assert any(tool.name in familiar for tool in tools)
 
 
 def test_calls_copy_the_request_and_fit_the_offered_schema() -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from muse.train.data import arithmetic, instructions, tools, unseen_tools, vision_tasks
+from muse.train.data.split import TRAIN
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assistant. Be brief.",
                   "Answer the user's question.", "You are a careful assistant that shows its work."]
@@ -121,9 +122,36 @@ def _rescaled(image: Image.Image, rng: random.Random) -> Image.Image:
     return image.resize((width, height), Image.Resampling.BILINEAR)
 
 
+# Wrappers around a media question in training: a dozen phrasings per question kind are few
+# for a small model to learn what is asked rather than the phrasings themselves.
+QUESTION_PREFIXES = ("", "", "", "Hey, ", "Quick question: ", "Look carefully. ", "Please answer: ",
+                     "I have a question. ", "One thing: ", "Tell me this: ")
+QUESTION_SUFFIXES = ("", "", "", " Answer in one word.", " Be brief.", " Just the answer, please.",
+                     " Thanks!", " Reply with a single word.")
+
+
+def _reworded(messages: list[dict[str, Any]], rng: random.Random, split: str
+              ) -> list[dict[str, Any]]:
+    """The media question (the first user turn's text part) with a random lead-in and
+    ending, in training."""
+    if split != TRAIN:
+        return messages
+    for message in messages:
+        if message["role"] == "user" and isinstance(message["content"], list):
+            for part in message["content"]:
+                if part["type"] == "text":
+                    text = part["text"]
+                    if rng.random() < 0.3:
+                        text = text[0].lower() + text[1:]
+                    part["text"] = rng.choice(QUESTION_PREFIXES) + text + \
+                        rng.choice(QUESTION_SUFFIXES)
+            break
+    return messages
+
+
 def image_conversation(rng: random.Random, split: str) -> Conversation:
     case = vision_tasks.sample_image_case(rng, split)
-    return Conversation("image", _system(rng) + case.messages(),
+    return Conversation("image", _system(rng) + _reworded(case.messages(), rng, split),
                         media={"image": [_rescaled(case.image, rng)]})
 
 
@@ -138,14 +166,15 @@ def video_conversation(rng: random.Random, split: str) -> Conversation:
     count = rng.choice((4, 6, 8))
     keep = np.linspace(0, len(case.frames) - 1, count).round().astype(np.int64)
     timestamps = np.arange(count, dtype=np.float64) / rng.choice(VIDEO_FPS)
-    return Conversation("video", _system(rng) + case.messages(),
+    return Conversation("video", _system(rng) + _reworded(case.messages(), rng, split),
                         media={"video": [(case.frames[keep], timestamps)]})
 
 
 def audio_conversation(rng: random.Random, split: str, pool: Any) -> Conversation:
     """A spoken number, word or sum drawn from `pool` (a `speech.SpeechPool`)."""
     case = pool.sample_case(rng)
-    return Conversation("audio", _system(rng) + case.messages(), media={"audio": [case.audio]})
+    return Conversation("audio", _system(rng) + _reworded(case.messages(), rng, split),
+                        media={"audio": [case.audio]})
 
 
 # Weights by conversation count (a model without encoders trains on the text tasks alone,

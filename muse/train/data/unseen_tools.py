@@ -13,7 +13,12 @@ as written in the call, so the call is copied, never guessed. Three kinds of cas
   without calling anything.
 
 Vocabularies and phrasings are split by `split.split_items`: held-out cases use verbs,
-nouns, qualifiers, argument words and phrasings that training never shows. Messages have the
+nouns, qualifiers, argument words and phrasings that training never shows. A vocabulary of a
+few dozen words would be learnt by heart, and a model that knows the names never needs to
+read them from the schema: so training also draws most words (MADE_UP_SHARE) as made-up
+words of two or three syllables, from a space of millions, and gives the first version's
+tool names (`get_weather`, ...) made-up argument names, so that what a name is called is
+always read from the offered schema and the request. Messages have the
 shape of `tools.exchange`, so the chat template renders them and the tool list goes to
 `tools=` as `offered_schemas(case)`.
 """
@@ -25,10 +30,21 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from muse.train.data.split import split_items
+from muse.train.data.split import TRAIN, split_items
 from muse.train.data.tools import function_schema
 
 KINDS = ("call", "choose", "no_tool")
+# Training words drawn as made-up words rather than from the word lists.
+MADE_UP_SHARE = 0.6
+# Training tools that take a name of the first version's tools, with made-up arguments.
+FAMILIAR_NAME_SHARE = 0.1
+FAMILIAR_NAMES = (("get", "weather"), ("add", "numbers"), ("search", "files"),
+                  ("convert", "currency"), ("get", "time"), ("get", "stock_price"),
+                  ("send", "email"))
+ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr",
+          "st", "pl", "gr", "sh", "ch", "kr")
+VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "oo")
+CODAS = ("", "", "", "n", "r", "s", "l", "x", "m")
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
 
@@ -200,11 +216,23 @@ def _capitalized(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
+def made_up_word(rng: random.Random) -> str:
+    """A pronounceable word that is (almost surely) in no vocabulary: "trealon", "kibus"."""
+    return "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
+                   for _ in range(rng.randint(2, 3)))
+
+
+def _word(rng: random.Random, words: tuple[str, ...], split: str) -> str:
+    """A word of `split`'s list, or in training often a made-up one."""
+    if split == TRAIN and rng.random() < MADE_UP_SHARE:
+        return made_up_word(rng)
+    return rng.choice(split_items(words, split))
+
+
 def _argument(rng: random.Random, split: str, taken: set[str], noun: str,
               required: bool) -> Argument:
-    words = split_items(ARGUMENT_WORDS, split)
     while True:
-        word = rng.choice(words)
+        word = _word(rng, ARGUMENT_WORDS, split)
         name = f"{rng.choice(ARGUMENT_PREFIXES)}_{word}" if rng.random() < 0.4 else word
         if name not in taken:
             break
@@ -221,9 +249,11 @@ def random_tool(rng: random.Random, split: str, verb: str | None = None,
                 noun: str | None = None) -> Tool:
     """A tool whose name and argument names come from `split`'s vocabularies (`verb` and
     `noun` fix those words of the name)."""
-    verb = verb or rng.choice(split_items(VERBS, split))
-    noun = noun or rng.choice(split_items(NOUNS, split))
-    qualifier = rng.choice(split_items(QUALIFIERS, split)) if rng.random() < 0.4 else None
+    if verb is None and noun is None and split == TRAIN and rng.random() < FAMILIAR_NAME_SHARE:
+        verb, noun = rng.choice(FAMILIAR_NAMES)
+    verb = verb or _word(rng, VERBS, split)
+    noun = noun or _word(rng, NOUNS, split)
+    qualifier = _word(rng, QUALIFIERS, split) if rng.random() < 0.4 else None
     name = "_".join(word for word in (verb, qualifier, noun) if word)
     field = rng.choice(RESULT_FIELDS)
     # The first argument is always required so that every call has one.
