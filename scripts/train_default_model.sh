@@ -15,7 +15,8 @@
 # The full run folder, optimizer state included, goes to $WORK (default /tmp/muse-default).
 # SEED (default 0) seeds the weights and the data; BATCH_SIZE (default 32) rows of 1024 tokens;
 # LR (default 2e-3) is the peak learning rate; SHARE (default 0.85) the share of each row
-# given to conversations (Python source fills the rest); CLIPS (default 16000) spoken clips.
+# given to conversations (Python source fills the rest); CLIPS (default 16000) spoken clips;
+# ENCODER_LR_SCALE (default 1) the encoders' learning rate as a multiple of LR.
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
@@ -38,6 +39,7 @@ LR=${LR:-2e-3}
 BATCH_SIZE=${BATCH_SIZE:-32}
 SHARE=${SHARE:-0.85}
 CLIPS=${CLIPS:-16000}
+ENCODER_LR_SCALE=${ENCODER_LR_SCALE:-1}
 SECTIONS=${SECTIONS:-arithmetic,tools,instructions,python,unseen_tools,vision,video,audio}
 MODEL="$WORK/muse-spark-default"
 if ! command -v espeak-ng >/dev/null; then
@@ -52,7 +54,8 @@ LOG="$OUT/run.log"
 
 TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$MODEL"
        --batch-size "$BATCH_SIZE" --seq-len 1024 --lr "$LR" --warmup-steps 100 --seed "$SEED"
-       --time-budget-minutes "$MINUTES" --conversation-share "$SHARE" --speech-clips "$CLIPS")
+       --time-budget-minutes "$MINUTES" --conversation-share "$SHARE" --speech-clips "$CLIPS"
+       --encoder-lr-scale "$ENCODER_LR_SCALE")
 if [ -n "${INIT_FROM:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
 echo "+ ${TRAIN[*]}" | tee "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"

@@ -26,6 +26,7 @@ class PretrainArgs:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     aux_loss_coef: float = 0.01
+    encoder_lr_scale: float = 1.0  # the encoders' learning rate, as a multiple of --lr
     seed: int = 0
     conversation_share: float = 0.7
     python_packages: bool = True  # also installed permissively licensed packages' source
@@ -54,6 +55,8 @@ class PretrainArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.resume and self.init_from:
             raise ValueError("--resume continues a run; --init-from starts a new one: give one")
+        if self.encoder_lr_scale <= 0:
+            raise ValueError(f"--encoder-lr-scale must be positive, got {self.encoder_lr_scale}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ValueError("--lr must be positive, --min-lr-ratio in [0, 1] and "
                              "--warmup-steps >= 0")
@@ -91,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW weight decay of matrices (norm gains and biases get none)")
     parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
                         help="clip the gradient norm to this")
+    parser.add_argument("--encoder-lr-scale", type=float, default=defaults.encoder_lr_scale,
+                        help="the vision and audio encoders' learning rate as a multiple of "
+                             "the schedule's")
     parser.add_argument("--aux-loss-coef", type=float, default=defaults.aux_loss_coef,
                         help="weight of the router load-balancing loss")
     parser.add_argument("--seed", type=int, default=defaults.seed,

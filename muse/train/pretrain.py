@@ -55,6 +55,10 @@ SUMMARY_FILE = "train_summary.json"
 # queues) when estimating step time: the early steps run slower, and a schedule fixed from
 # them would end the run well before its budget.
 TIMING_SKIP_STEPS = 30
+# While a budgeted run is in its first half, the schedule is refitted every so many steps to
+# the speed of the latest steps when more steps fit than planned (it is never shortened: the
+# budget check ends the run in time anyway).
+SCHEDULE_REFIT_STEPS = 100
 # Arguments that define the model and the data stream: a resumed run must keep them.
 RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
                 "weight_decay", "grad_clip", "seed", "conversation_share", "aux_loss_coef",
@@ -107,12 +111,19 @@ def processor_for(config: MuseSparkConfig, preset: str, tokenizer: MuseTokenizer
 
 def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.device
                     ) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are left alone)."""
-    decay, keep = [], []
-    for name, param in model.named_parameters():
-        (keep if "norm" in name or param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": keep, "weight_decay": 0.0}]
+    """AdamW with weight decay on matrices only (norm gains and biases are left alone); the
+    encoders' parameters learn at `encoder_lr_scale` times the schedule's rate (`lr_scale`
+    of their groups), so fresh encoders can move faster than a trained decoder."""
+    groups = []
+    for encoder in (False, True):
+        decay, keep = [], []
+        for name, param in model.named_parameters():
+            if name.startswith(ENCODER_PREFIXES) == encoder:
+                (keep if "norm" in name or param.ndim < 2 else decay).append(param)
+        scale = args.encoder_lr_scale if encoder else 1.0
+        groups += [{"params": params, "weight_decay": weight_decay, "lr_scale": scale}
+                   for params, weight_decay in ((decay, args.weight_decay), (keep, 0.0))
+                   if params]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                              fused=device.type == "cuda")
 
@@ -148,6 +159,7 @@ class Run:
         self.elapsed_before = self.state["elapsed_s"] if self.state else 0.0
         self.save_seconds = 0.0
         self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
+        self.refit_schedule = False  # the schedule came from this process's speed estimate
 
     def _choose_batch(self) -> None:
         """Fill in what was not given of the batch (a resumed run keeps its batch and
@@ -355,7 +367,7 @@ def train_step(model: MuseForCausalLM, optimizer: torch.optim.Optimizer,
     non-finite gradient norm skips the update, since one NaN would spread to every weight
     (reading the norm costs one sync a step, small beside a step's work)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     per_token, sources, aux = accumulate_gradients(
         model, balance, batch, args.micro_batch_size or args.batch_size, args.aux_loss_coef,
         device)
@@ -428,8 +440,16 @@ def train(args: PretrainArgs) -> Path:
             if run.total_steps is None and step_seconds is not None and \
                     run.step >= args.warmup_steps:
                 run.total_steps = run.estimate_total_steps(step_seconds)
+                run.refit_schedule = True
                 logger.info("step %d: %.3f s/step, schedule set to %d steps", run.step,
                             step_seconds, run.total_steps)
+            elif run.refit_schedule and run.step % SCHEDULE_REFIT_STEPS == 0 and \
+                    run.step < run.total_steps // 2 and timer.recent_seconds is not None:
+                refitted = run.estimate_total_steps(timer.recent_seconds)
+                if refitted > run.total_steps:
+                    logger.info("step %d: %.3f s/step lately, schedule extended to %d steps",
+                                run.step, timer.recent_seconds, refitted)
+                    run.total_steps = refitted
             if run.step % args.log_every == 0:
                 _log(log, run, stats, lr, grad_norm, tokens_per_step)
             if time.monotonic() - last_save > args.save_every_minutes * 60:
@@ -476,6 +496,9 @@ class StepTimer:
         self.every = every
         self.start: tuple[int, float] | None = None
         self.seconds: float | None = None
+        # The mean over the last `every` steps, and where that window began.
+        self.recent_seconds: float | None = None
+        self.last: tuple[int, float] | None = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -488,7 +511,11 @@ class StepTimer:
             if step >= TIMING_SKIP_STEPS:
                 self.start = (step, self._now())
         elif (step - self.start[0]) % self.every == 0:
-            self.seconds = (self._now() - self.start[1]) / (step - self.start[0])
+            now = self._now()
+            self.seconds = (now - self.start[1]) / (step - self.start[0])
+            if self.last is not None:
+                self.recent_seconds = (now - self.last[1]) / (step - self.last[0])
+            self.last = (step, now)
         return self.seconds
 
 

@@ -186,3 +186,17 @@ def test_a_non_finite_gradient_skips_the_update(tmp_path: Path,
     assert summary["steps"] == 3 and summary["skipped_steps"] == 1
     state = torch.load(out / STATE_FILE, weights_only=False)["model"]
     assert all(torch.isfinite(tensor).all() for tensor in state.values())
+
+
+def test_encoders_learn_at_their_own_rate() -> None:
+    from muse.train.options import PretrainArgs
+
+    model = pretrain.build_model(get_preset("muse-spark-tiny"), seed=0)
+    args = PretrainArgs(out="unused", steps=1, encoder_lr_scale=3.0)
+    optimizer = pretrain.build_optimizer(model, args, torch.device("cpu"))
+    scale_of = {id(p): group["lr_scale"] for group in optimizer.param_groups
+                for p in group["params"]}
+    for name, param in model.named_parameters():
+        assert scale_of[id(param)] == (3.0 if name.startswith(("vision_tower.", "audio_tower."))
+                                       else 1.0), name
+    assert len(scale_of) == len(list(model.parameters()))
