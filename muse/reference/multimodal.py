@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from muse.config import MuseSparkConfig
-from muse.multimodal.engine_inputs import MediaEncoders
+from muse.multimodal.engine_inputs import MediaEncoders, encode_by_tower
 from muse.reference.model import CausalLMOutput, MuseForCausalLM, initial_value
 
 ENCODER_PREFIXES = ("vision_tower.", "audio_tower.")
-VISION_KINDS = ("image", "video")
 
 
 @dataclass
@@ -67,16 +66,7 @@ class MuseSparkForConditionalGeneration(MuseForCausalLM):
 
     def encode_media(self, media: Sequence[MediaInput]) -> list[torch.Tensor]:
         """Each item's encoder output [tokens, text hidden], in the order given."""
-        out: list[torch.Tensor | None] = [None] * len(media)
-        for tower, kinds in ((self.vision_tower, VISION_KINDS), (self.audio_tower, ("audio",))):
-            positions = [i for i, item in enumerate(media) if item.kind in kinds]
-            if not positions:
-                continue
-            if tower is None:
-                raise ValueError(f"this model has no encoder for {media[positions[0]].kind}")
-            for i, rows in zip(positions, tower([media[i].data for i in positions])):
-                out[i] = rows
-        return out  # type: ignore[return-value]
+        return encode_by_tower(self.vision_tower, self.audio_tower, media)
 
     def embed(self, input_ids: torch.Tensor, media: Sequence[MediaInput]) -> torch.Tensor:
         """[batch, length, hidden] token embeddings with every item's encoder rows at its
