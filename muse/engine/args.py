@@ -36,6 +36,9 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = None
     # GiB of encoder outputs kept for reuse across steps and requests (0.25: 256 MiB).
     encoder_cache_gb: float = 0.25
+    # Vision / audio encoders in this many processes of their own (0: in the engine's
+    # process); see muse.multimodal.encoder_workers.
+    encoder_workers: int = 0
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     gpu_memory_utilization: float = 0.9
@@ -141,6 +144,10 @@ class EngineArgs:
                 or not self.encoder_cache_gb >= 0:
             raise ValueError("`encoder_cache_gb` must be a non-negative number, got "
                              f"{self.encoder_cache_gb!r}")
+        if isinstance(self.encoder_workers, bool) or not isinstance(self.encoder_workers, int) \
+                or self.encoder_workers < 0:
+            raise ValueError("`encoder_workers` must be a non-negative integer, got "
+                             f"{self.encoder_workers!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

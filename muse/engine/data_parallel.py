@@ -20,6 +20,7 @@ from muse.engine.engine import GRAMMAR_WAIT_S, EngineCore
 from muse.engine.executor import MultiprocExecutor
 from muse.engine.request import Request
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams
+from muse.multimodal.encoder_workers import check_encoders, close_encoders
 
 
 class DataParallelEngine:
@@ -94,9 +95,13 @@ class DataParallelEngine:
 
     def check_health(self) -> None:
         self.executor.check_health()
+        check_encoders(self.replicas[0].encoders)
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.executor.shutdown()
+        finally:
+            close_encoders(self.replicas[0].encoders)
 
 
 def _logits(rows: torch.Tensor | None) -> torch.Tensor:

@@ -30,7 +30,9 @@ from muse.engine.sampling_params import InvalidRequestError, SamplingParams, val
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.multimodal.encoder_cache import EncoderCache
-from muse.multimodal.engine_inputs import (MediaEncoders, build_media_encoders,
+from muse.multimodal.encoder_workers import (EncoderRecipe, EncoderWorkerPool, check_encoders,
+                                             close_encoders)
+from muse.multimodal.engine_inputs import (Encoders, build_media_encoders, has_encoders,
                                            load_media_encoders)
 from muse.multimodal.processor import KINDS as MEDIA_KINDS
 from muse.multimodal.processor import (MuseSparkProcessor, ProcessorConfig, ProcessorError,
@@ -191,6 +193,7 @@ class EngineCore:
         except BaseException:
             # The workers would otherwise wait for this rank until the world's timeout.
             stop_workers(worker_processes, on_shutdown)
+            close_encoders(getattr(self, "encoders", None))
             raise
 
     def _build(self, worker_processes: list[WorkerProcess],
@@ -261,13 +264,19 @@ class EngineCore:
             # After every dummy run above (memory profile, graph capture, step costs).
             self.model.calculate_kv_scales_on_next_step()
 
-    def _media_encoders(self) -> MediaEncoders | None:
+    def _media_encoders(self) -> Encoders | None:
         """The vision / audio encoders the model's config names, beside the decoder: a
         preset's seeded random ones, a checkpoint's loaded from its `vision_tower.*` /
-        `audio_tower.*` tensors (None without encoders, or with several ranks)."""
+        `audio_tower.*` tensors (None without encoders). With several ranks every first-stage
+        rank builds its own copy the same way (`worker_main.worker_media_encoders`).
+        With `encoder_workers` this rank's encoders run in processes of their own."""
         args = self.args
-        if self.world_size > 1:
-            return None
+        if args.encoder_workers and has_encoders(self.model_config):
+            recipe = EncoderRecipe(self.model_config, args.model, args.model in PRESETS,
+                                   args.seed, self.dtype, self.device)
+            # A worker that hangs fails the step after the ranks' timeout, as a hung rank.
+            return EncoderWorkerPool(recipe, args.encoder_workers, self.device,
+                                     timeout_s=args.distributed_timeout_s)
         if args.model in PRESETS:
             return build_media_encoders(self.model_config, args.seed, self.dtype, self.device)
         return load_media_encoders(self.model_config, args.model, self.dtype, self.device)
@@ -371,12 +380,17 @@ class EngineCore:
             torch.cuda.set_device(self.device)  # the current device is per thread
 
     def shutdown(self) -> None:
-        """Stop the worker processes (if any) and leave the world."""
-        self.executor.shutdown()
+        """Stop the worker processes (if any) and leave the world; stop the encoder workers
+        (with `encoder_workers`)."""
+        try:
+            self.executor.shutdown()
+        finally:
+            close_encoders(self.encoders)
 
     def check_health(self) -> None:
-        """Raise if a worker rank is gone, even while no step runs."""
+        """Raise if a worker rank or an encoder worker is gone, even while no step runs."""
         self.executor.check_health()
+        check_encoders(self.encoders)
 
     def _check_capacity(self, num_blocks: dict[str, int]) -> int:
         """`max_model_len`, checked against the model and against what the cache can hold."""
@@ -485,8 +499,7 @@ class EngineCore:
         """The expanded prompt ids and the processed media items of a request."""
         if self.encoders is None:
             raise InvalidRequestError(
-                "this engine takes no media: the model has no vision or audio encoder, or it "
-                "runs on several ranks (not supported with media yet)",
+                "this engine takes no media: the model has no vision or audio encoder",
                 param="multi_modal_data")
         unknown = sorted(set(data) - set(MEDIA_KINDS))
         if unknown:
@@ -508,10 +521,7 @@ class EngineCore:
         encoders read, so the server can refuse other parts before decoding them."""
         if self.encoders is None:
             return []
-        kinds = ["image", "video"] \
-            if getattr(self.encoders, "vision_tower", None) is not None else []
-        return kinds + (["audio"] if getattr(self.encoders, "audio_tower", None) is not None
-                        else [])
+        return list(self.encoders.media_kinds)
 
     def encoder_cache_stats(self) -> dict[str, int]:
         """The driver worker's encoder-output cache counters (`EncoderCache.stats()`), or {}

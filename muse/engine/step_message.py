@@ -10,6 +10,12 @@ Block tables only grow by appends, except that entries before a sliding layer's 
 become the null block; a step never reads those (tables are sliced from the window start), so
 the mirror may keep the old values. A preempted request's blocks are freed and reallocated
 when it resumes: it is sent again as new.
+
+A request with media carries its items in its `NewRequestData` (the encoder input's bytes,
+dtype and shape, its spans and content hash), only those with tokens still to compute. Each
+rank rebuilds the `ProcessedMedia` once and, every step, the step's `MediaSlice`s from its
+mirror (`RequestMirror.step_media`), as the driver's runner does, so every rank scatters the
+same rows.
 """
 
 from __future__ import annotations
@@ -18,17 +24,36 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from muse.engine.metadata import BatchEntry
 from muse.engine.request import Request
 from muse.engine.scheduler import ScheduledRequest
+from muse.multimodal.engine_inputs import MediaSlice, media_slices
+from muse.multimodal.processor import ProcessedMedia
+from muse.multimodal.vision import PatchGrid
 
 BlockTables = Callable[[Request], dict[str, list[int]]]
 
 
 # ---- the message -----------------------------------------------------------------------------
+class MediaItemData(msgspec.Struct, array_like=True):
+    """One `ProcessedMedia` as it travels: the encoder input as raw bytes with its dtype and
+    shape (any dtype, bfloat16 included), and what places its rows in the prompt."""
+
+    kind: str
+    index: int
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: list[int]
+    data: bytes
+    spans: list[tuple[int, int]]
+    content_hash: str  # the driver's: the cache key, not recomputed on the ranks
+    grid: tuple[int, int, int] | None = None  # temporal, height, width (images and videos)
+    timestamps: list[float] | None = None  # a video's frame groups, seconds
+
+
 # Positional (array_like) with small int tags: a decode request is ~[1, id, start, 1, [t], []].
-class NewRequestData(msgspec.Struct, tag=0, array_like=True):
+class NewRequestData(msgspec.Struct, tag=0, array_like=True, omit_defaults=True):
     """A request the workers do not hold (or hold from before a preemption): sent whole."""
 
     request_id: str
@@ -36,6 +61,8 @@ class NewRequestData(msgspec.Struct, tag=0, array_like=True):
     num_new_tokens: int
     token_ids: list[int]  # tokens 0.. as far as known and needed by this step
     block_tables: list[list[int]]  # per kind, in the kinds' order
+    # Its media items with tokens at or after `start` (omitted, not sent, when none).
+    media: list[MediaItemData] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, tag=1, array_like=True):
@@ -71,6 +98,40 @@ def encode_delta(delta: StepDelta) -> bytes:
 
 def decode_delta(data: bytes) -> StepDelta:
     return _decoder.decode(data)
+
+
+def encode_media(media: Sequence[ProcessedMedia], start: int) -> list[MediaItemData]:
+    """The items of a request the ranks still need from position `start` on: those with a
+    span ending after it (a finished prefill sends none; a preempted request is resent as
+    new, from its new start)."""
+    return [_media_item(item) for item in media
+            if any(s + n > start for s, n in item.spans)]
+
+
+def _media_item(item: ProcessedMedia) -> MediaItemData:
+    data = item.data.detach().cpu().contiguous()
+    grid = item.grid
+    return MediaItemData(
+        item.kind, item.index, str(data.dtype).removeprefix("torch."), list(data.shape),
+        # Viewed as bytes first: numpy has no bfloat16.
+        data.reshape(-1).view(torch.uint8).numpy().tobytes(),
+        [tuple(span) for span in item.spans], item.content_hash,
+        (grid.temporal, grid.height, grid.width) if grid is not None else None,
+        list(item.timestamps) if item.timestamps is not None else None)
+
+
+def decode_media(item: MediaItemData) -> ProcessedMedia:
+    """The `ProcessedMedia` the driver sent, its encoder input on the CPU (the encoders move
+    it to their device)."""
+    dtype = getattr(torch, item.dtype)
+    # bytearray: a writable buffer, so the tensor does not alias read-only message memory.
+    raw = torch.frombuffer(bytearray(item.data), dtype=torch.uint8) if item.data \
+        else torch.empty(0, dtype=torch.uint8)
+    data = raw.view(dtype).reshape(item.shape)
+    return ProcessedMedia(item.kind, item.index, data, [tuple(s) for s in item.spans],
+                          item.content_hash,
+                          PatchGrid(*item.grid) if item.grid is not None else None,
+                          list(item.timestamps) if item.timestamps is not None else None)
 
 
 # ---- the two ends ----------------------------------------------------------------------------
@@ -114,7 +175,8 @@ class StepEncoder:
             if (sent is None or sent.request is not request
                     or sent.num_preemptions != request.num_preemptions):
                 items.append(NewRequestData(request_id, start, n, request.token_ids(0, known),
-                                            [list(table) for table in tables]))
+                                            [list(table) for table in tables],
+                                            encode_media(request.media, start)))
                 self.sent[request_id] = _Sent(request, known, [len(t) for t in tables],
                                               request.num_preemptions)
                 continue
@@ -143,16 +205,21 @@ class RequestMirror:
         self.kinds = list(kinds)
         # request id -> (token ids so far, block table per kind)
         self.requests: dict[str, tuple[list[int], dict[str, list[int]]]] = {}
+        # request id -> its media items (requests with media only); the same objects every
+        # step, so a step's slices of one item share its encoder output
+        self.media: dict[str, list[ProcessedMedia]] = {}
 
     def apply(self, delta: StepDelta) -> list[BatchEntry]:
         """Update the mirror; returns the step's entries for `build_host_batch`, in order."""
         for request_id in delta.finished:
             self.requests.pop(request_id, None)
+            self.media.pop(request_id, None)
         entries = []
         for item in delta.scheduled:
             if isinstance(item, NewRequestData):
                 tokens, tables = item.token_ids, dict(zip(self.kinds, item.block_tables))
                 self.requests[item.request_id] = (tokens, tables)
+                self._hold_media(item)
             else:
                 tokens, tables = self.requests[item.request_id]
                 tokens.extend(item.new_token_ids)
@@ -163,3 +230,32 @@ class RequestMirror:
             inputs = tokens[start:end] + [0] * (end - max(start, len(tokens)))
             entries.append(BatchEntry(inputs, start, item.num_new_tokens, tables))
         return entries
+
+    def _hold_media(self, item: NewRequestData) -> None:
+        if item.media:
+            self.media[item.request_id] = [decode_media(m) for m in item.media]
+        else:
+            self.media.pop(item.request_id, None)  # a reused id, or resent past its media
+
+    def step_media(self, delta: StepDelta) -> list[MediaSlice]:
+        """The step's media slices, as the driver's runner builds them: each request's
+        tokens [start, start + num_new_tokens) at its offset among the step's tokens. Call
+        after `apply` for the same delta.
+
+        Items the step takes the last rows of are then let go: positions only move forward
+        (a preempted request comes back as new, with its items), and a video's input may be
+        large to keep through a long decode."""
+        slices: list[MediaSlice] = []
+        offset = 0
+        for item in delta.scheduled:
+            media = self.media.get(item.request_id)
+            end = item.start + item.num_new_tokens
+            if media:
+                slices += media_slices(media, item.start, end, offset)
+                ahead = [m for m in media if any(s + n > end for s, n in m.spans)]
+                if ahead:
+                    self.media[item.request_id] = ahead
+                else:
+                    del self.media[item.request_id]
+            offset += item.num_new_tokens
+        return slices

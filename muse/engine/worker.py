@@ -1,9 +1,9 @@
 """One rank's share of a step: its model shard runs the step's batch against its KV tensors.
 
 A worker knows nothing of requests: it gets a `HostBatch` (token ids, positions, cache slots
-and block tables, identical on every rank) and the rows whose logits the step needs, and
-returns those logits. With tensor parallelism every rank runs the same calls, so their
-collectives meet; the driver (rank 0) also samples.
+and block tables, identical on every rank; the media slices of a step with media) and the
+rows whose logits the step needs, and returns those logits. With tensor parallelism every
+rank runs the same calls, so their collectives meet; the driver (rank 0) also samples.
 """
 
 from __future__ import annotations
@@ -104,11 +104,12 @@ class ModelWorker:
                 previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows, on
         the first and the last pipeline stage (None on the stages between)."""
+        if get_pp_group().world_size > 1:
+            # Only the first stage reads embeddings, so only it scatters the media rows.
+            return self._execute_stage(batch, logits_rows)
         if batch.media:
             return self._logits(self._forward_media(batch, pending, previous_tokens),
                                 logits_rows)
-        if get_pp_group().world_size > 1:
-            return self._execute_stage(batch, logits_rows)
         return self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
 
     def _logits(self, hidden: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
@@ -134,6 +135,7 @@ class ModelWorker:
         # send blocks until matched), and each stage issues its ops in micro-batch order.
         sends: list[torch.distributed.Work] = []
         logits: list[torch.Tensor] = []
+        embeds = self._media_embeds(batch) if batch.media and model.is_first_stage else None
         for (part, tokens), rows in zip(parts, part_rows):
             input_ids, meta = part.to_device(self.device, self.block_size)
             intermediate = None
@@ -141,7 +143,9 @@ class ModelWorker:
                 shape = (len(tokens), model.config.hidden_size)
                 intermediate = (stages.recv(shape, dtype, stages.prev_rank, self.device),
                                 stages.recv(shape, dtype, stages.prev_rank, self.device))
-            out = model(input_ids, meta, self.kv_caches, intermediate=intermediate)
+            out = model(input_ids, meta, self.kv_caches, intermediate=intermediate,
+                        inputs_embeds=embeds[tokens.start:tokens.stop]
+                        if embeds is not None else None)
             if not model.is_last_stage:
                 sends += [stages.isend(x, stages.next_rank) for x in out]
             elif rows:
@@ -200,14 +204,24 @@ class ModelWorker:
     def _forward_media(self, batch: HostBatch, pending: PendingInputs,
                        previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """A step with media tokens, eagerly: the token embeddings with the encoder rows of
-        the step's media slices written over theirs (one rank only)."""
-        if self.encoders is None or self.encoder_cache is None:
-            raise RuntimeError("a step with media reached a worker without encoders")
+        the step's media slices written over theirs. With tensor or context parallelism
+        every rank does the same (each encodes through its own cache, with the same
+        encoders) and runs the whole step: the media rows need every token's embeddings."""
         input_ids, meta = batch.to_device(self.device, self.block_size)
         self._fill_pending(input_ids, pending, previous_tokens)
-        embeds = scatter_media(self.model.model.embed_tokens(input_ids), batch.media,
-                               self.encoders, self.encoder_cache)
+        embeds = self._scatter(self.model.model.embed_tokens(input_ids), batch)
         return self.model(input_ids, meta, self.kv_caches, inputs_embeds=embeds)
+
+    def _media_embeds(self, batch: HostBatch) -> torch.Tensor:
+        """The whole step's input embeddings with its media rows (a first pipeline stage,
+        whose micro-batches take their rows of it: the step's items encode in one pass)."""
+        return self._scatter(self.model.model.embed_tokens(
+            to_device(batch.input_ids, self.device)), batch)
+
+    def _scatter(self, embeds: torch.Tensor, batch: HostBatch) -> torch.Tensor:
+        if self.encoders is None or self.encoder_cache is None:
+            raise RuntimeError("a step with media reached a worker without encoders")
+        return scatter_media(embeds, batch.media, self.encoders, self.encoder_cache)
 
     def _forward_context_parallel(self, batch: HostBatch) -> torch.Tensor:
         """Prefill context parallelism: this rank runs a contiguous slice of the step's tokens

@@ -1,17 +1,24 @@
 """The entry point of a worker process (ranks 1..N-1 of the multiprocess executor).
 
-It joins the world, builds its shard of the model the same way rank 0 does, allocates its KV
-tensors for the block counts rank 0 decided, then runs each step rank 0 broadcasts until told
-to stop. It exits when the driver goes away.
+It joins the world, builds its shard of the model the same way rank 0 does (and a copy of the
+media encoders, when the model has them), allocates its KV tensors for the block counts rank 0
+decided, then runs each step rank 0 broadcasts until told to stop. It exits when the driver
+goes away.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from muse.engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from muse.config import MuseSparkConfig
+    from muse.model.decoder import EngineModel
+    from muse.multimodal.engine_inputs import MediaEncoders
 
 logger = logging.getLogger("muse.engine")
 
@@ -29,6 +36,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
     from muse.engine.metadata import build_host_batch
     from muse.engine.step_message import RequestMirror, decode_delta
     from muse.engine.worker import ModelWorker
+    from muse.multimodal.encoder_cache import EncoderCache
 
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(name)s: %(message)s")
     device = device if device is not None else args.rank_device(rank)
@@ -37,12 +45,17 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
                      local_rank=device.index, timeout_s=args.distributed_timeout_s)
     world = get_world_group()
     try:
-        _, model, dtype = load_engine_model(args, device)
+        model_config, model, dtype = load_engine_model(args, device)
+        # Built before the memory profile, as on the driver, so the KV budgets agree.
+        encoders = worker_media_encoders(args, model_config, model, dtype, device)
         shared_kv_budget(model.eval(), args, device, dtype)
         num_blocks = world.broadcast_object(None, src=0)
         kv_caches = allocate_kv_caches(model, num_blocks, args.block_size,
                                        args.resolve_kv_cache_dtype(dtype), device)
-        worker = ModelWorker(model.eval(), kv_caches, device, args.block_size)
+        worker = ModelWorker(model.eval(), kv_caches, device, args.block_size,
+                             encoders=encoders,
+                             encoder_cache=EncoderCache(args.encoder_cache_bytes)
+                             if encoders is not None else None)
         if args.calculate_kv_scales:
             model.calculate_kv_scales_on_next_step()  # from this rank's first step, as rank 0
         # This rank's data-parallel rank's requests, as the driver's deltas describe them.
@@ -53,9 +66,29 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
             if message == KEEPALIVE:
                 continue
             delta = message.deltas[dp_rank]
-            batch = None if delta is None else build_host_batch(
-                kinds, args.block_size, model.config.sliding_window,
-                mirror.apply(decode_delta(delta)))
+            batch = None
+            if delta is not None:
+                step = decode_delta(delta)
+                batch = build_host_batch(kinds, args.block_size, model.config.sliding_window,
+                                         mirror.apply(step))
+                batch.media = mirror.step_media(step)
             worker.execute_data_parallel(batch, message.num_tokens, message.logits_rows)
     finally:
         destroy_distributed()
+
+
+def worker_media_encoders(args: EngineArgs, model_config: MuseSparkConfig,
+                          model: EngineModel, dtype: torch.dtype, device: torch.device
+                          ) -> MediaEncoders | None:
+    """This rank's copy of the vision / audio encoders, replicated (they are small): the
+    preset's drawn from the engine's seed, so every rank gets the driver's weights, or the
+    checkpoint's. None without encoders, and on a pipeline stage after the first, which never
+    reads embeddings."""
+    from muse.multimodal.engine_inputs import build_media_encoders, load_media_encoders
+    from muse.presets import PRESETS
+
+    if not model.is_first_stage:
+        return None
+    if args.model in PRESETS:
+        return build_media_encoders(model_config, args.seed, dtype, device)
+    return load_media_encoders(model_config, args.model, dtype, device)

@@ -11,6 +11,8 @@ token ids as usual and overwrites the media rows with the encoder rows
 
 The encoders are a preset's, drawn from the engine's seed (`build_media_encoders`), or a
 checkpoint's, read from its `vision_tower.*` / `audio_tower.*` tensors (`load_media_encoders`).
+They run in the engine's process, or in worker processes of their own
+(`muse.multimodal.encoder_workers`); either is an `Encoders`.
 
 Prefix caching: a block's key covers its token ids, which are the same placeholder ids for
 every image of a size, so the content hashes of the items whose spans meet a block join its
@@ -23,6 +25,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -38,6 +41,15 @@ from muse.multimodal.vision import VisionEncoder
 logger = logging.getLogger("muse")
 
 
+class Encoders(Protocol):
+    """What the engine encodes media with: `MediaEncoders` in-process, or an
+    `EncoderWorkerPool` (`muse.multimodal.encoder_workers`)."""
+
+    media_kinds: tuple[str, ...]
+
+    def encode(self, items: Sequence[ProcessedMedia]) -> list[torch.Tensor]: ...
+
+
 class MediaEncoders(nn.Module):
     """The vision and audio encoders a model's config asks for (either may be absent)."""
 
@@ -51,21 +63,32 @@ class MediaEncoders(nn.Module):
         self.audio_tower = AudioEncoder(config.audio_config, hidden) \
             if config.audio_config is not None else None
 
+    @property
+    def media_kinds(self) -> tuple[str, ...]:
+        """The media kinds these encoders read."""
+        return (("image", "video") if self.vision_tower is not None else ()) \
+            + (("audio",) if self.audio_tower is not None else ())
+
     @torch.inference_mode()
     def encode(self, items: Sequence[ProcessedMedia]) -> list[torch.Tensor]:
-        """Each item's embeddings [tokens, text hidden], in the order given: images and
-        videos in one packed vision pass, audio clips in one packed audio pass."""
-        out: list[torch.Tensor | None] = [None] * len(items)
-        for encoder, kinds in ((self.vision_tower, ("image", "video")),
-                               (self.audio_tower, ("audio",))):
-            positions = [i for i, item in enumerate(items) if item.kind in kinds]
-            if not positions:
-                continue
-            if encoder is None:
-                raise ValueError(f"this model has no encoder for {items[positions[0]].kind}")
-            for i, embeddings in zip(positions, encoder([items[i].data for i in positions])):
-                out[i] = embeddings
-        return out  # type: ignore[return-value]
+        """Each item's embeddings [tokens, text hidden], in the order given."""
+        return encode_by_tower(self.vision_tower, self.audio_tower, items)
+
+
+def encode_by_tower(vision_tower: nn.Module | None, audio_tower: nn.Module | None,
+                    items: Sequence) -> list[torch.Tensor]:
+    """Each item's (anything with `kind` and `data`) embeddings, in the order given: images
+    and videos in one packed vision pass, audio clips in one packed audio pass."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    for tower, kinds in ((vision_tower, ("image", "video")), (audio_tower, ("audio",))):
+        positions = [i for i, item in enumerate(items) if item.kind in kinds]
+        if not positions:
+            continue
+        if tower is None:
+            raise ValueError(f"this model has no encoder for {items[positions[0]].kind}")
+        for i, embeddings in zip(positions, tower([items[i].data for i in positions])):
+            out[i] = embeddings
+    return out  # type: ignore[return-value]
 
 
 def build_media_encoders(config: MuseSparkConfig, seed: int, dtype: torch.dtype,
@@ -174,7 +197,7 @@ def block_media_hashes(media: Sequence[ProcessedMedia], start: int, end: int
                  if any(s < end and start < s + n for s, n in item.spans))
 
 
-def scatter_media(embeds: torch.Tensor, slices: Sequence[MediaSlice], encoders: MediaEncoders,
+def scatter_media(embeds: torch.Tensor, slices: Sequence[MediaSlice], encoders: Encoders,
                   cache: EncoderCache) -> torch.Tensor:
     """Overwrite the media rows of a step's input embeddings [tokens, hidden] in place with
     their encoder rows; returns `embeds`."""

@@ -58,6 +58,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--encoder-cache-gb", type=float, default=0.25,
         help="GiB of image / video / audio encoder outputs kept for reuse (default: "
              "%(default)s)")
+    add("--encoder-workers", type=int, default=0,
+        help="run the image / video / audio encoders in this many processes of their own, "
+             "each with the encoders' weights on the engine's device; a step's items are "
+             "shared among them (default: %(default)s: in the engine's process)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes (default: on)")
     add("--block-size", type=int, default=16,
@@ -214,7 +218,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        encoder_cache_gb=args.encoder_cache_gb,
+        encoder_cache_gb=args.encoder_cache_gb, encoder_workers=args.encoder_workers,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
