@@ -92,7 +92,6 @@ def vision_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str
                          "image_side": side, "images_per_batch": len(images),
                          "patches_per_image": (side // config.patch_size) ** 2,
                          "seconds_per_batch": seconds, "images_per_s": len(images) / seconds})
-        del encoder
     return rows
 
 
@@ -110,7 +109,6 @@ def audio_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str,
         rows.append({"encoder": name, "parameters": audio_parameters(config, TEXT_HIDDEN),
                      "clips_per_batch": len(clips), "clip_seconds": args.clip_seconds,
                      "seconds_per_batch": seconds, "audio_seconds_per_s": audio_seconds / seconds})
-        del encoder
     return rows
 
 
