@@ -5,11 +5,10 @@ front end is a log-mel spectrogram: STFT frames every `mel_hop_length` samples (
 `num_mel_bins` mel bands up to `mel_max_hz`, log10 with the dynamic range clamped to 8
 decades below the clip's loudest band, as Whisper does (silence and near-silence look alike
 whatever the recording's noise floor). A token's features are its 8 frames side by side,
-embedded by one linear
-map (a convolution whose kernel and stride are a token's frames). Sinusoidal positions
-counted from the clip's first token are added, and a stack of pre-norm bidirectional
-transformer layers runs over the tokens. A final LayerNorm and a linear projector map each
-token to the text decoder's hidden size.
+embedded by one linear map (a convolution whose kernel and stride are a token's frames).
+Sinusoidal positions counted from the clip's first token are added, and a stack of pre-norm
+bidirectional transformer layers runs over the tokens. A final LayerNorm and a linear
+projector map each token to the text decoder's hidden size.
 
 Several clips run as one packed sequence: attention is block-diagonal, so a token attends to
 every token of its own clip and to nothing else, and each clip's output is the one it has

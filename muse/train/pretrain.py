@@ -62,7 +62,7 @@ SCHEDULE_REFIT_STEPS = 100
 # Arguments that define the model and the data stream: a resumed run must keep them.
 RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
                 "weight_decay", "grad_clip", "seed", "conversation_share", "aux_loss_coef",
-                "python_packages")
+                "python_packages", "encoder_lr_scale", "speech_pool", "speech_clips")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,7 +138,8 @@ class Run:
         if self.state is not None:
             saved = self.state["args"]
             for name in RUN_DEFINING:
-                setattr(args, name, saved[name])
+                # A state saved before an argument existed ran with its default.
+                setattr(args, name, saved.get(name, getattr(args, name)))
         args.validate()
         self.out.mkdir(parents=True, exist_ok=True)
         self.args = args
