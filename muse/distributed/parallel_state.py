@@ -48,6 +48,7 @@ def init_distributed(config: ParallelConfig, rank: int, init_method: str,
         raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
     device = _select_device(backend, rank, local_rank)
     timeout = timedelta(seconds=timeout_s)
+    _restart_group_names()
     dist.init_process_group(backend, init_method=init_method, world_size=config.world_size,
                             rank=rank, timeout=timeout)
     try:
@@ -56,6 +57,20 @@ def init_distributed(config: ParallelConfig, rank: int, init_method: str,
         dist.destroy_process_group()
         raise
     _state = _State(config=config, groups=groups)
+
+
+def _restart_group_names() -> None:
+    """Number this world's process groups from 0, as a fresh process does.
+
+    torch names a process group by a per-process counter that only a completed
+    `destroy_process_group` resets, and the ranks of a world find each other's keys under
+    those names. A rendezvous abandoned earlier in this process (the engine gives up on a
+    world whose worker died while it formed) has already taken a name, so rank 0 would look
+    for `2/...` while a fresh worker writes `0/...`, and both would wait until the timeout.
+    With no world initialised, no group is alive, so restarting the count is safe."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and world is not None:
+        world.group_count = 0
 
 
 def _select_device(backend: str, rank: int, local_rank: int | None) -> torch.device:

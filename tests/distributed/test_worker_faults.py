@@ -71,3 +71,17 @@ def _kill_first_child() -> None:
                 os.kill(child.pid, signal.SIGKILL)
                 return
         time.sleep(0.01)
+
+
+def test_a_world_forms_after_an_abandoned_rendezvous_in_this_process():
+    """An abandoned rendezvous (as when a worker dies while the world forms) has already
+    taken a process-group name in this process; the next world must still find its fresh
+    worker's keys instead of waiting out the timeout."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._world.group_count = 2  # what two abandoned rendezvous leave
+    llm = two_ranks()
+    try:
+        assert len(llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
