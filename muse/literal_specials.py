@@ -26,8 +26,9 @@ class LiteralSpecials:
     def __init__(self) -> None:
         nonce = secrets.token_hex(8)
         self.open, self.close = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
-        self._marked = re.compile(re.escape(self.open) + "(" + _SPECIAL.pattern + ")"
-                                  + re.escape(self.close))
+        # Compiled on the first marking only: most renderings mark nothing, and a pattern
+        # over every special token costs milliseconds to compile.
+        self._marked: re.Pattern[str] | None = None
 
     def wrap(self, value: Any) -> Any:
         """`value` (JSON-like), with special strings in its keys and strings marked."""
@@ -40,6 +41,9 @@ class LiteralSpecials:
 
     def _wrap(self, value: Any) -> Any:
         if isinstance(value, str):
+            if self._marked is None:
+                self._marked = re.compile(re.escape(self.open) + "(" + _SPECIAL.pattern + ")"
+                                          + re.escape(self.close))
             return _SPECIAL.sub(lambda m: self.open + m.group(0) + self.close, value)
         if isinstance(value, dict):
             return {self._wrap(k): self._wrap(v) for k, v in value.items()}
@@ -49,6 +53,8 @@ class LiteralSpecials:
 
     def split(self, text: str) -> list[tuple[str, bool]]:
         """(piece, is_literal) pieces of the rendered text, markers removed."""
+        if self._marked is None:
+            return [(text, False)] if text else []
         pieces, start = [], 0
         for match in self._marked.finditer(text):
             if match.start() > start:

@@ -345,11 +345,12 @@ class MuseSparkProcessor:
 
     def _normalize(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 [N, H, W, C] -> float32 [N, C, H, W], (x / 255 - mean) / std."""
-        x = torch.from_numpy(np.require(pixels, requirements=("C", "W")))  # writable copy if needed
-        x = x.permute(0, 3, 1, 2).float() / 255.0
-        mean = torch.tensor(self.config.image_mean).view(1, -1, 1, 1)
-        std = torch.tensor(self.config.image_std).view(1, -1, 1, 1)
-        return ((x - mean) / std).contiguous()
+        # In numpy, channels last, then one transposing copy: the same float32 arithmetic
+        # as in torch, at a fraction of its per-call cost in data-loader processes.
+        mean = np.asarray(self.config.image_mean, dtype=np.float32)
+        std = np.asarray(self.config.image_std, dtype=np.float32)
+        x = (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
 
     def grid(self, pixels: torch.Tensor) -> PatchGrid:
         """The patch grid `patchify` will give a preprocessed image / video."""
