@@ -21,6 +21,9 @@
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
+# A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
+# only stops and saves this part, and RESUME=1 continues from $WORK's training state in the
+# next command (the machine must still hold $WORK: call again while it is warm).
 # OUT receives only small files, at most 16 MiB each:
 #   checkpoint.tar.part-NN   the shippable checkpoint folder muse-spark-default/ (weights,
 #                            config, processor and generation configs, tokenizer + chat
@@ -56,7 +59,9 @@ TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$
        --batch-size "$BATCH_SIZE" --seq-len 1024 --lr "$LR" --warmup-steps 100 --seed "$SEED"
        --time-budget-minutes "$MINUTES" --conversation-share "$SHARE" --speech-clips "$CLIPS"
        --encoder-lr-scale "$ENCODER_LR_SCALE")
-if [ -n "${INIT_FROM:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
+if [ -n "${INIT_FROM:-}" ] && [ -z "${RESUME:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
+if [ -n "${STEPS:-}" ]; then TRAIN+=(--steps "$STEPS"); fi
+if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
 echo "+ ${TRAIN[*]}" | tee "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 

@@ -26,6 +26,7 @@ from muse.checkpoint import (
 from muse.checkpoint import reader as reader_module
 from muse.config import ConfigError, MuseSparkConfig
 from muse.init_checkpoint import init_random_checkpoint
+from muse.multimodal.engine_inputs import MediaEncoders
 from muse.presets import full_816b, tiny
 from muse.reference.model import MuseForCausalLM
 
@@ -38,6 +39,11 @@ def reference_model(config: MuseSparkConfig, seed: int = SEED,
     model = MuseForCausalLM(config.text_config)
     model.init_weights(seed, std)
     return model.eval()
+
+
+def encoder_tensors(config: MuseSparkConfig) -> dict[str, torch.Tensor]:
+    """The encoder tensors `muse init` writes beside the decoder's (`vision_tower.*`, ...)."""
+    return MediaEncoders(config).state_dict()
 
 
 def assert_same_weights(model: torch.nn.Module, expected: torch.nn.Module) -> None:
@@ -81,8 +87,9 @@ def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_init_writes_the_layout(tiny_checkpoint: Path) -> None:
     files = {path.name for path in tiny_checkpoint.iterdir()}
     tokenizer_files = {path.name for path in ASSETS_DIR.glob("tokenizer*")}
-    assert files == {"config.json", "generation_config.json", "model.safetensors"} \
-        | tokenizer_files
+    # The tiny preset has encoders: their processor's settings come too.
+    assert files == {"config.json", "generation_config.json", "model.safetensors",
+                     "processor_config.json"} | tokenizer_files
     assert load_config(tiny_checkpoint) == tiny()
     assert json.loads((tiny_checkpoint / "config.json").read_text())["model_type"] \
         == "muse_spark"
@@ -107,9 +114,10 @@ def test_sharded_checkpoint_has_an_index_and_round_trips(sharded_checkpoint: Pat
     assert not (sharded_checkpoint / "model.safetensors").exists()
     assert sorted(set(index["weight_map"].values())) == shards
     expected = reference_model(tiny())
-    assert set(index["weight_map"]) == set(expected.state_dict())
+    stored = {**expected.state_dict(), **encoder_tensors(tiny())}
+    assert set(index["weight_map"]) == set(stored)
     assert index["metadata"]["total_size"] == sum(
-        tensor.numel() * tensor.element_size() for tensor in expected.state_dict().values())
+        tensor.numel() * tensor.element_size() for tensor in stored.values())
     for name, file in index["weight_map"].items():
         with safe_open(sharded_checkpoint / file, framework="pt") as shard:
             assert name in shard.keys()
@@ -281,7 +289,8 @@ def test_reader_maps_shards_and_reads_only_what_is_asked(sharded_checkpoint: Pat
     monkeypatch.setattr(reader_module, "safe_open", recording_safe_open)
     expected = reference_model(tiny()).state_dict()
     with CheckpointReader(directory) as reader:
-        assert opened == [] and set(reader.names()) == set(expected)
+        assert opened == [] and set(reader.names()) == set(expected) | set(
+            encoder_tensors(tiny()))
         wanted_file = reader.file_of(Q_PROJ)
         # Garbage in every other shard: the reader must never touch those files.
         for shard in directory.glob("model-*.safetensors"):
