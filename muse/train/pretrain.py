@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from muse.checkpoint import ASSETS_DIR, load_weights, save_checkpoint
 from muse.config import MuseSparkConfig
 from muse.info import text_parameters
+from muse.multimodal.engine_inputs import has_encoders
 from muse.multimodal.processor import MuseSparkProcessor, preset_processor_config
 from muse.presets import get_preset
 from muse.reference.model import MuseForCausalLM
@@ -76,8 +77,7 @@ def build_model(config: MuseSparkConfig, seed: int) -> MuseForCausalLM:
     projections of the residual branches (attention's o_proj, the MoE unpooler, a dense
     MLP's down_proj) are scaled by 1/sqrt(2 * layers) so the residual stream's variance does
     not grow with depth."""
-    has_encoders = config.vision_config is not None or config.audio_config is not None
-    model = MuseSparkForConditionalGeneration(config) if has_encoders \
+    model = MuseSparkForConditionalGeneration(config) if has_encoders(config) \
         else MuseForCausalLM(config.text_config)
     model.init_weights(seed)
     scale = 1.0 / math.sqrt(2 * config.text_config.num_hidden_layers)
@@ -104,7 +104,7 @@ def load_initial_weights(model: MuseForCausalLM, directory: str) -> None:
 def processor_for(config: MuseSparkConfig, preset: str, tokenizer: MuseTokenizer
                   ) -> MuseSparkProcessor | None:
     """The processor a preset's checkpoints use; None without encoders."""
-    if config.vision_config is None and config.audio_config is None:
+    if not has_encoders(config):
         return None
     return MuseSparkProcessor(config, preset_processor_config(preset), tokenizer)
 
