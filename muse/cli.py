@@ -142,6 +142,12 @@ def cmd_train_pretrain(args: argparse.Namespace) -> None:
     run_from_args(args)
 
 
+def cmd_train_encoders(args: argparse.Namespace) -> None:
+    from muse.train.encoders import run_from_args
+
+    run_from_args(args)
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from muse.train.drafter import run_from_args
 
@@ -309,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=DefaultsHelpFormatter)
     add_pretrain_arguments(pretrain)
     pretrain.set_defaults(func=cmd_train_pretrain)
+    from muse.train.encoder_options import add_arguments as add_encoder_arguments
+
+    encoders = train_sub.add_parser(
+        "encoders", help="train the vision and audio encoders alone on labelled generated "
+                         "media, before pretrain --init-from; see docs/training.md",
+        formatter_class=DefaultsHelpFormatter)
+    add_encoder_arguments(encoders)
+    encoders.set_defaults(func=cmd_train_encoders)
     from muse.train.drafter_options import add_arguments as add_drafter_arguments
 
     drafter = train_sub.add_parser(

@@ -20,6 +20,9 @@
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
+# ENCODER_MINUTES (default 0: none) first trains the encoders alone for that long
+# (`muse train encoders`, on labels the generated media carry), from INIT_FROM, and the
+# decoder stage then starts from its output and reuses its speech pool.
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
 # only stops and saves this part, and RESUME=1 continues from $WORK's training state in the
@@ -43,6 +46,7 @@ BATCH_SIZE=${BATCH_SIZE:-32}
 SHARE=${SHARE:-0.85}
 CLIPS=${CLIPS:-16000}
 ENCODER_LR_SCALE=${ENCODER_LR_SCALE:-1}
+ENCODER_MINUTES=${ENCODER_MINUTES:-0}
 SECTIONS=${SECTIONS:-arithmetic,tools,instructions,python,unseen_tools,vision,video,audio}
 MODEL="$WORK/muse-spark-default"
 if ! command -v espeak-ng >/dev/null; then
@@ -55,14 +59,27 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/run.log"
 
+if [ "$ENCODER_MINUTES" != 0 ] && [ -z "${RESUME:-}" ]; then
+    ENCODERS=("$PYTHON" -m muse.cli train encoders --preset muse-spark-default
+              --out "$WORK/encoders" --time-budget-minutes "$ENCODER_MINUTES" --seed "$SEED"
+              --speech-clips "$CLIPS")
+    if [ -n "${INIT_FROM:-}" ]; then ENCODERS+=(--init-from "$INIT_FROM"); fi
+    echo "+ ${ENCODERS[*]}" | tee "$LOG"
+    "${ENCODERS[@]}" 2>&1 | tee -a "$LOG"
+    cp "$WORK/encoders/encoder_log.jsonl" "$WORK/encoders/encoder_summary.json" "$OUT/"
+    INIT_FROM="$WORK/encoders"
+    SPEECH_POOL="$WORK/encoders/speech_pool.npz"
+fi
+
 TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$MODEL"
        --batch-size "$BATCH_SIZE" --seq-len 1024 --lr "$LR" --warmup-steps 100 --seed "$SEED"
        --time-budget-minutes "$MINUTES" --conversation-share "$SHARE" --speech-clips "$CLIPS"
        --encoder-lr-scale "$ENCODER_LR_SCALE")
 if [ -n "${INIT_FROM:-}" ] && [ -z "${RESUME:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
+if [ -n "${SPEECH_POOL:-}" ]; then TRAIN+=(--speech-pool "$SPEECH_POOL"); fi
 if [ -n "${STEPS:-}" ]; then TRAIN+=(--steps "$STEPS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
-echo "+ ${TRAIN[*]}" | tee "$LOG"
+echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 
 # Export before evaluating, so the weights come back even if evaluation is cut short.

@@ -128,6 +128,22 @@ def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.de
                              fused=device.type == "cuda")
 
 
+def load_or_build_speech_pool(config: MuseSparkConfig, path: str | None, clips: int,
+                              seed: int) -> Any:
+    """Spoken clips for the audio task (None without an audio encoder): loaded from `path`,
+    or `clips` synthesized with espeak-ng (before any data worker forks)."""
+    if config.audio_config is None:
+        return None
+    from muse.train.data.speech import SpeechPool
+
+    if path:
+        return SpeechPool.load(path)
+    began = time.monotonic()
+    pool = SpeechPool.build(seed=seed, size=clips, workers=os.cpu_count() or 1)
+    logger.info("speech pool: %d clips in %.1f s", clips, time.monotonic() - began)
+    return pool
+
+
 class Run:
     """One training process: the model, optimizer, data and bookkeeping of a run."""
 
@@ -207,8 +223,10 @@ class Run:
         mixture = MixtureConfig(seq_len=self.args.seq_len, batch_size=self.args.batch_size,
                                 conversation_share=self.args.conversation_share,
                                 seed=self.args.seed)
+        pool = load_or_build_speech_pool(self.config, self.args.speech_pool,
+                                         self.args.speech_clips, self.args.seed)
         tasks = conversation_tasks(vision=self.config.vision_config is not None,
-                                   speech_pool=self.speech_pool())
+                                   speech_pool=pool)
         batches = TrainingBatches(mixture, self.tokenizer, corpus, tasks, self.processor)
         sources = batches[0]["sources"].reshape(-1)
         counts = torch.bincount(sources.long(), minlength=len(SOURCES)).tolist()
@@ -217,23 +235,6 @@ class Run:
                                                for name, count in zip(SOURCES, counts)}}
         (self.out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         return batches, manifest
-
-    def speech_pool(self) -> Any:
-        """Spoken clips for the audio task (None without an audio encoder): loaded from
-        `--speech-pool`, or synthesized with espeak-ng before the data workers fork."""
-        if self.config.audio_config is None:
-            return None
-        from muse.train.data.speech import SpeechPool
-
-        if self.args.speech_pool:
-            pool = SpeechPool.load(self.args.speech_pool)
-        else:
-            began = time.monotonic()
-            pool = SpeechPool.build(seed=self.args.seed, size=self.args.speech_clips,
-                                    workers=os.cpu_count() or 1)
-            logger.info("speech pool: %d clips in %.1f s", self.args.speech_clips,
-                        time.monotonic() - began)
-        return pool
 
     def loader(self, batches: TrainingBatches, last_step: int) -> torch.utils.data.DataLoader:
         workers = self.args.num_workers

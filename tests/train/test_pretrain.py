@@ -42,7 +42,8 @@ def small_corpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def noise_speech(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny preset has an audio encoder: its clips come from a stand-in pool."""
-    monkeypatch.setattr(pretrain.Run, "speech_pool", lambda run: NoiseSpeechPool())
+    monkeypatch.setattr(pretrain, "load_or_build_speech_pool",
+                        lambda config, *args: NoiseSpeechPool())
 
 
 def _train(out: Path, *flags: str) -> None:

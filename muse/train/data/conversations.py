@@ -113,7 +113,7 @@ def unseen_tool_conversation(rng: random.Random, split: str) -> Conversation:
                         unseen_tools.offered_schemas(case))
 
 
-def _rescaled(image: Image.Image, rng: random.Random) -> Image.Image:
+def rescale_randomly(image: Image.Image, rng: random.Random) -> Image.Image:
     """The picture at another size and aspect ratio, as users' images come; the processor
     then brings it within the model's pixel range."""
     scale, aspect = rng.uniform(0.6, 1.6), rng.uniform(0.8, 1.25)
@@ -152,7 +152,7 @@ def _reworded(messages: list[dict[str, Any]], rng: random.Random, split: str
 def image_conversation(rng: random.Random, split: str) -> Conversation:
     case = vision_tasks.sample_image_case(rng, split)
     return Conversation("image", _system(rng) + _reworded(case.messages(), rng, split),
-                        media={"image": [_rescaled(case.image, rng)]})
+                        media={"image": [rescale_randomly(case.image, rng)]})
 
 
 # Frame rates a training clip is said to have been sampled at: the time markers then take

@@ -205,9 +205,8 @@ def _outline(kind: str, center: tuple[float, float], radius: float) -> list[tupl
     return points
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, colour: str, center: tuple[float, float],
-                radius: float) -> None:
-    fill = COLOURS[colour]
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, fill: tuple[int, int, int] | int,
+                center: tuple[float, float], radius: float) -> None:
     if kind == "circle":
         x, y = center
         draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=fill)
@@ -220,18 +219,56 @@ def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     return ImageFont.load_default(size=size)
 
 
+def _draw_text(draw: ImageDraw.ImageDraw, scene: Scene, fill: tuple[int, int, int] | int
+               ) -> None:
+    if scene.text is None or scene.text_cell is None:
+        return
+    cell = scene.size / 3
+    row, column = scene.text_cell
+    center = ((column + 0.5) * cell, (row + 0.5) * cell)
+    size = int(cell * (0.55 if scene.text.isdigit() else 0.32))
+    draw.text(center, scene.text, fill=fill, font=_font(size), anchor="mm")
+
+
 def draw_scene(scene: Scene) -> Image.Image:
     image = Image.new("RGB", (scene.size, scene.size), BACKGROUND)
     draw = ImageDraw.Draw(image)
     for shape in scene.shapes:
-        _draw_shape(draw, shape.kind, shape.colour, shape.center, shape.radius)
-    if scene.text is not None and scene.text_cell is not None:
-        cell = scene.size / 3
-        row, column = scene.text_cell
-        center = ((column + 0.5) * cell, (row + 0.5) * cell)
-        size = int(cell * (0.55 if scene.text.isdigit() else 0.32))
-        draw.text(center, scene.text, fill=TEXT_COLOUR, font=_font(size), anchor="mm")
+        _draw_shape(draw, shape.kind, COLOURS[shape.colour], shape.center, shape.radius)
+    _draw_text(draw, scene, TEXT_COLOUR)
     return image
+
+
+# Classes of a scene's pixels (`label_map`), for training the vision encoder on what each
+# part of a picture shows: 0 the background, then each (shape, colour) pair, then each text
+# (the digits, then WORDS).
+BACKGROUND_CLASS = 0
+TEXTS = tuple(str(digit) for digit in range(10)) + WORDS
+NUM_PIXEL_CLASSES = 1 + len(SHAPES) * len(COLOURS) + len(TEXTS)
+
+
+def shape_class(kind: str, colour: str) -> int:
+    return 1 + SHAPES.index(kind) * len(COLOURS) + list(COLOURS).index(colour)
+
+
+def text_class(text: str) -> int:
+    return 1 + len(SHAPES) * len(COLOURS) + TEXTS.index(text)
+
+
+def label_map(scene: Scene) -> np.ndarray:
+    """uint8 [size, size]: the class of each pixel of `draw_scene(scene)` (shapes cover the
+    same pixels; text, antialiased there, counts where it is drawn on a 1-bit image)."""
+    labels = Image.new("L", (scene.size, scene.size), BACKGROUND_CLASS)
+    draw = ImageDraw.Draw(labels)
+    for shape in scene.shapes:
+        _draw_shape(draw, shape.kind, shape_class(shape.kind, shape.colour), shape.center,
+                    shape.radius)
+    result = np.asarray(labels).copy()
+    if scene.text is not None:
+        mask = Image.new("1", (scene.size, scene.size), 0)
+        _draw_text(ImageDraw.Draw(mask), scene, 1)
+        result[np.asarray(mask)] = text_class(scene.text)
+    return result
 
 
 def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bool,
@@ -281,7 +318,7 @@ def draw_video(shape: str, colour: str, direction: str, start: tuple[int, int], 
     for index in range(frames):
         image = Image.new("RGB", (size, size), BACKGROUND)
         center = (start[0] + dx * step * index, start[1] + dy * step * index)
-        _draw_shape(ImageDraw.Draw(image), shape, colour, center, radius)
+        _draw_shape(ImageDraw.Draw(image), shape, COLOURS[colour], center, radius)
         video[index] = np.asarray(image)
     return video
 

@@ -1,0 +1,93 @@
+"""The `muse train encoders` options, kept free of torch so the CLI starts fast."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from muse.presets import PRESETS
+
+
+@dataclass
+class EncoderTrainArgs:
+    out: str
+    init_from: str | None = None  # the checkpoint whose decoder (and encoders) start the run
+    preset: str = "muse-spark-default"
+    steps: int | None = None
+    time_budget_minutes: float | None = None
+    images: int = 128  # per step
+    videos: int = 32
+    clips: int = 128
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    num_workers: int | None = None  # None: 0 on CPU, up to 16 on GPU
+    log_every: int = 20
+    speech_pool: str | None = None
+    speech_clips: int = 6000
+
+    def validate(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if self.steps is None and self.time_budget_minutes is None:
+            raise ValueError("give --steps, --time-budget-minutes, or both")
+        for name in ("steps", "time_budget_minutes", "lr", "log_every"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        for name in ("images", "videos", "clips", "warmup_steps", "speech_clips"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
+                                 f"{getattr(self, name)}")
+        if self.images + self.videos + self.clips == 0:
+            raise ValueError("--images, --videos and --clips are all 0: nothing to train on")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EncoderTrainArgs(out="")
+    parser.add_argument("--out", required=True,
+                        help="output folder: a checkpoint (the decoder of --init-from, the "
+                             "trained encoders), its speech pool and the training log")
+    parser.add_argument("--init-from", default=None,
+                        help="start from this checkpoint folder's weights; encoders it lacks "
+                             "start fresh (default: seeded random weights)")
+    parser.add_argument("--preset", default=defaults.preset, help=f"one of {', '.join(PRESETS)}")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many steps (default: as many as the time budget "
+                             "allows)")
+    parser.add_argument("--time-budget-minutes", type=float, default=None,
+                        help="stop (and save) before this much wall time has passed (default: "
+                             "no limit; give this, --steps or both)")
+    parser.add_argument("--images", type=int, default=defaults.images,
+                        help="pictures per step")
+    parser.add_argument("--videos", type=int, default=defaults.videos, help="clips per step")
+    parser.add_argument("--clips", type=int, default=defaults.clips,
+                        help="spoken clips per step")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
+                        help="the cosine decays to this fraction of the peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                        help="steps of linear learning-rate warmup")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                        help="AdamW weight decay of matrices")
+    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
+                        help="clip the gradient norm to this")
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="seeds fresh weights, the data stream and a synthesized speech pool")
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="data loader processes (default: 0 on CPU, up to 16 on GPU)")
+    parser.add_argument("--log-every", type=int, default=defaults.log_every,
+                        help="steps between lines of encoder_log.jsonl")
+    parser.add_argument("--speech-pool", default=None,
+                        help="a saved pool of spoken clips (default: synthesize "
+                             "--speech-clips with espeak-ng)")
+    parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
+                        help="clips to synthesize when no --speech-pool is given")
