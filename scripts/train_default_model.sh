@@ -77,7 +77,7 @@ TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$
        --encoder-lr-scale "$ENCODER_LR_SCALE")
 if [ -n "${INIT_FROM:-}" ] && [ -z "${RESUME:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
 if [ -n "${SPEECH_POOL:-}" ]; then TRAIN+=(--speech-pool "$SPEECH_POOL"); fi
-if [ -n "${STEPS:-}" ]; then TRAIN+=(--steps "$STEPS"); fi
+if [ -n "${STEPS:-}" ]; then TRAIN+=(--schedule-steps "$STEPS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
 echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"

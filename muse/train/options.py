@@ -16,6 +16,9 @@ class PretrainArgs:
     preset: str = "muse-spark-default"
     steps: int | None = None  # upper bound; None = as many as the time budget allows
     time_budget_minutes: float | None = None
+    # The cosine's length, for a run split over several commands (resumed with --resume):
+    # None: --steps, or what the time budget allows at the measured speed.
+    schedule_steps: int | None = None
     # None: chosen from the device and its free memory (muse/train/memory.py).
     batch_size: int | None = None  # sequences per optimizer step
     seq_len: int | None = None
@@ -45,7 +48,7 @@ class PretrainArgs:
             raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         if self.steps is None and self.time_budget_minutes is None:
             raise ValueError("give --steps, --time-budget-minutes, or both")
-        for name in ("steps", "time_budget_minutes"):
+        for name in ("steps", "time_budget_minutes", "schedule_steps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -75,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-minutes", type=float, default=None,
                         help="stop (and save) before this much wall time has passed (default: "
                              "no limit; give this, --steps or both)")
+    parser.add_argument("--schedule-steps", type=int, default=None,
+                        help="length of the learning-rate schedule in steps, for a run split "
+                             "over several commands: each stops at its time budget and the "
+                             "next continues with --resume (default: --steps, or as many as "
+                             "the time budget allows)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="sequences per optimizer step (default: 32 on a GPU; on a CPU up "
                              "to 4, as many as fit in half its free memory)")

@@ -63,7 +63,8 @@ SCHEDULE_REFIT_STEPS = 100
 # Arguments that define the model and the data stream: a resumed run must keep them.
 RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
                 "weight_decay", "grad_clip", "seed", "conversation_share", "aux_loss_coef",
-                "python_packages", "encoder_lr_scale", "speech_pool", "speech_clips")
+                "python_packages", "encoder_lr_scale", "speech_pool", "speech_clips",
+                "schedule_steps")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -168,8 +169,8 @@ class Run:
         # A step-bounded run knows its length (`--steps` counts from step 0, so resuming
         # with a larger value extends the run); a budgeted one fixes it once it has measured
         # its speed, and keeps that length when resumed.
-        self.total_steps = args.steps
-        if args.time_budget_minutes is not None:
+        self.total_steps = args.schedule_steps or args.steps
+        if args.time_budget_minutes is not None and args.schedule_steps is None:
             saved = self.state["total_steps"] if self.state else None
             self.total_steps = min(saved, args.steps or saved) if saved else None
         self.tokens_seen = self.state["tokens_seen"] if self.state else 0

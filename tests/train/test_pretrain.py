@@ -17,6 +17,7 @@ from muse.presets import get_preset
 from muse.train import memory, pretrain
 from muse.train.data.python_source import PythonCorpus, SourceFile
 from muse.train.options import STATE_FILE
+from muse.train.schedule import learning_rate
 from tests.train.helpers import NoiseSpeechPool
 
 
@@ -102,6 +103,21 @@ def test_a_time_budget_stops_the_run_and_saves(tmp_path: Path) -> None:
     assert summary["elapsed_s"] < 6.0 + 5.0
     assert (out / STATE_FILE).is_file()
     load_reference_model(out)
+
+
+def test_schedule_steps_fix_the_schedule_of_a_run_split_over_commands(tmp_path: Path) -> None:
+    """With --schedule-steps a time budget only stops the part; the cosine keeps its length,
+    and a resumed part continues the same schedule."""
+    out = tmp_path / "split"
+    _train(out, "--steps", "2", "--time-budget-minutes", "5", "--schedule-steps", "60",
+           "--warmup-steps", "1")
+    assert torch.load(out / STATE_FILE, weights_only=False)["total_steps"] == 60
+    main(["train", "pretrain", "--preset", "muse-spark-tiny", "--out", str(out), "--resume",
+          "--steps", "3", "--time-budget-minutes", "5"])
+    state = torch.load(out / STATE_FILE, weights_only=False)
+    assert (state["step"], state["total_steps"]) == (3, 60)
+    last = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])
+    assert last["lr"] == pytest.approx(learning_rate(2, 2e-3, 1, 60, 0.1))
 
 
 def test_the_default_preset_fits_the_shipping_limit() -> None:

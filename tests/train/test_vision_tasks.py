@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -12,8 +13,8 @@ from muse.tokenizer import MuseTokenizer
 from muse.train.data import vision_tasks
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.vision_tasks import (COLOURS, IMAGE_KINDS, IMAGE_QUESTIONS, POSITIONS,
-                                          VIDEO_KINDS, VIDEO_QUESTIONS, sample_image_case,
-                                          sample_video_case)
+                                          VIDEO_KINDS, VIDEO_QUESTIONS, describe,
+                                          sample_image_case, sample_scene, sample_video_case)
 
 
 def _colour_masks(pixels: np.ndarray) -> dict[str, np.ndarray]:
@@ -136,3 +137,17 @@ def test_rendered_chat_has_the_media_placeholder() -> None:
     video_text = tokenizer.apply_chat_template(video_case.messages())
     assert f"<|video_start|><|video|><|video_end|>{video_case.question}" in video_text
     assert video_text.endswith(f"</think>{video_case.answer}<|end|>\n")
+
+
+def test_the_reasoning_numbers_the_shapes_in_reading_order_then_counts_them() -> None:
+    rng = random.Random(11)
+    for count in range(1, 6):
+        scene = sample_scene(rng, TRAIN, count, with_text=False)
+        reasoning = describe(scene)
+        listed = re.findall(r"Shape (\d) is an? (\w+) (\w+) (?:in|on|at) the ([\w ]+?)\.",
+                            reasoning)
+        assert [int(number) for number, *_ in listed] == list(range(1, count + 1))
+        cells = {(shape.colour, shape.kind): shape.cell for shape in scene.shapes}
+        order = [cells[(colour, kind)] for _, colour, kind, _ in listed]
+        assert order == sorted(order)
+        assert reasoning.endswith(f"That is {count} shape{'s' if count > 1 else ''}.")

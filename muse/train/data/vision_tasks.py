@@ -179,11 +179,13 @@ def _where(position: str) -> str:
 
 
 def describe(scene: Scene) -> str:
-    """The reasoning of an image answer: every shape and where it is, then any text."""
-    parts = [f"{_a(shape.colour)} {shape.kind} {_where(shape.position)}" for shape in scene.shapes]
-    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    count = len(scene.shapes)
-    text = f"I see {count} shape{'s' if count > 1 else ''}: {listed}."
+    """The reasoning of an image answer: the shapes numbered in reading order with where
+    each is, then how many that makes, then any text. Counting while listing, rather than
+    saying the count first, gives a small model a count it can read off its own list."""
+    shapes = sorted(scene.shapes, key=lambda shape: shape.cell)
+    text = " ".join(f"Shape {index} is {_a(shape.colour)} {shape.kind} {_where(shape.position)}."
+                    for index, shape in enumerate(shapes, 1))
+    text += f" That is {len(shapes)} shape{'s' if len(shapes) > 1 else ''}."
     if scene.text is not None and scene.text_cell is not None:
         text += f' "{scene.text}" is written {_where(POSITIONS[scene.text_cell])}.'
     return text
