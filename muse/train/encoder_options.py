@@ -15,9 +15,9 @@ class EncoderTrainArgs:
     preset: str = "muse-spark-default"
     steps: int | None = None
     time_budget_minutes: float | None = None
-    images: int = 128  # per step
-    videos: int = 32
-    clips: int = 128
+    images: int = 64  # per step
+    videos: int = 24
+    clips: int = 64
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

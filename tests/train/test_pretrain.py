@@ -129,8 +129,9 @@ def test_the_default_preset_fits_the_shipping_limit() -> None:
     total = text_parameters(text).total \
         + vision_parameters(config.vision_config, text.hidden_size) \
         + audio_parameters(config.audio_config, text.hidden_size)
-    # The checkpoint, encoders included, stays within 64 MB of bf16 weights.
-    assert total * 2 <= 64_000_000
+    # The checkpoint, encoders included, stays within 64 MB of bf16 weights, and within
+    # what keeps the whole repository (code and docs ~9 MB, the drafter ~5 MB) under 64 MiB.
+    assert total * 2 <= 48_000_000
     assert set(text.layer_types) == {"sliding_attention", "full_attention"}
     assert text.moe_latent_size and text.expert_norm and text.qk_norm
     assert text.num_key_value_heads < text.num_attention_heads
