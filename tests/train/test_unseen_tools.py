@@ -129,3 +129,16 @@ def test_rendered_chat_carries_the_schemas_and_the_call(tokenizer: MuseTokenizer
 def test_unknown_kind_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match="call"):
         sample_case(random.Random(0), TRAIN, "guess")
+
+
+def test_the_reasoning_repeats_the_request_before_naming_the_tool() -> None:
+    rng = random.Random(21)
+    for kind in KINDS:
+        for _ in range(20):
+            case = sample_case(rng, TRAIN, kind)
+            user, reply = exchange(case)[:2]
+            action = case.requested.action
+            assert action in user["content"]
+            assert reply["reasoning_content"].startswith(f"The user asks to {action}.")
+            if case.tool is not None:
+                assert reply["reasoning_content"].endswith(f"I should call {case.tool.name}.")

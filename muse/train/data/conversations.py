@@ -184,11 +184,11 @@ TEXT_TASKS: list[Task] = [
     Task("arithmetic", 0.15, arithmetic_conversation),
     Task("tools", 0.08, tool_conversation),
     Task("instructions", 0.07, instruction_conversation),
-    Task("unseen_tools", 0.2, unseen_tool_conversation),
+    Task("unseen_tools", 0.25, unseen_tool_conversation),
 ]
 IMAGE_TASK = Task("image", 0.22, image_conversation)
 VIDEO_TASK = Task("video", 0.1, video_conversation)
-AUDIO_WEIGHT = 0.18
+AUDIO_WEIGHT = 0.13
 # Every task name, in a fixed order: training logs a loss per name.
 TASK_NAMES: tuple[str, ...] = (*(task.name for task in TEXT_TASKS), "image", "video", "audio")
 

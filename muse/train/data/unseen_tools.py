@@ -359,14 +359,18 @@ def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
     """The user's request and the assistant's reply: a call, its result and the answer that
     uses it, or (for `no_tool`) a direct answer."""
     user = {"role": "user", "content": case.request}
+    # The reasoning first repeats what is asked, words copied from the request, so the tool
+    # name that follows sits right after the words it is matched on.
+    asked = f"The user asks to {case.requested.action}."
     if case.tool is None:
         return [user, {"role": "assistant",
-                       "reasoning_content": f"No offered tool can {case.requested.action}.",
+                       "reasoning_content": f"{asked} No offered tool does that.",
                        "content": case.answer}]
     name = case.tool.name
     return [
         user,
-        {"role": "assistant", "reasoning_content": f"I should call {name}.", "content": "",
+        {"role": "assistant", "reasoning_content": f"{asked} I should call {name}.",
+         "content": "",
          "tool_calls": [{"type": "function", "function": {
              "name": name, "arguments": case.arguments}}]},
         {"role": "tool", "content": json.dumps(case.result)},
