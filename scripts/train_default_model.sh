@@ -51,7 +51,7 @@ SECTIONS=${SECTIONS:-arithmetic,tools,instructions,python,unseen_tools,vision,vi
 MODEL="$WORK/muse-spark-default"
 if ! command -v espeak-ng >/dev/null; then
     # shellcheck source=scripts/espeak_env.sh
-    source scripts/espeak_env.sh
+    source scripts/espeak_env.sh .espeak/espeak-ng.tar.xz  # not the script's own arguments
 fi
 
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
