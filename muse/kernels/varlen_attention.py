@@ -7,8 +7,13 @@ and to nothing else, i.e. a block-diagonal mask. Heads of q, k and v are equal (
 
 `varlen_attention` runs the Triton kernel (`muse.kernels.varlen_attention_triton`) on CUDA and
 the twin elsewhere; `varlen_attention_torch` is the twin, the oracle the kernel is tested
-against: one SDPA call per sequence length (sequences of a length batched), computed in
-float32 and rounded once to q's dtype. It is differentiable, so training takes it on CUDA too.
+against: sequences sorted by length into buckets (the longest of a bucket at most
+`BUCKET_RATIO` times its shortest), each bucket padded to its longest and run as one masked
+SDPA call, computed in float32 and rounded once to q's dtype. It is differentiable, so
+training takes it on CUDA too. A `VarlenLayout` holds the buckets of one packed step, so the
+layers of an encoder share them instead of each working them out from `cu_seqlens` again:
+a step then costs a few operations a layer, not a few per sequence, which is what bounds a
+training step of a small encoder on a GPU.
 """
 
 from __future__ import annotations
@@ -26,40 +31,77 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("cu_seqlens must be a 1-D tensor [sequences + 1] starting at 0")
 
 
+# Padding a bucket costs at most this factor in each sequence's length.
+BUCKET_RATIO = 1.25
+
+
+class VarlenLayout:
+    """The buckets of one packed step, from its sequence bounds (`cu_seqlens` as host ints),
+    made on a device when first asked for and kept."""
+
+    def __init__(self, bounds: list[int]) -> None:
+        spans = sorted((end - start, start) for start, end in zip(bounds[:-1], bounds[1:])
+                       if end > start)
+        self.buckets: list[list[tuple[int, int]]] = []  # (length, start) per sequence
+        for length, start in spans:
+            if not self.buckets or length > BUCKET_RATIO * self.buckets[-1][0][0]:
+                self.buckets.append([])
+            self.buckets[-1].append((length, start))
+        self._on: dict[torch.device, tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                torch.Tensor]:
+        """Per bucket, (rows [sequences, longest] long: the packed row of each padded slot,
+        0 in padding; valid [sequences, longest] bool), and the packed rows of every valid
+        slot in bucket order."""
+        if device not in self._on:
+            buckets, rows = [], []
+            for bucket in self.buckets:
+                longest = bucket[-1][0]
+                offsets = torch.arange(longest)
+                lengths = torch.tensor([length for length, _ in bucket])
+                starts = torch.tensor([start for _, start in bucket])
+                valid = offsets[None, :] < lengths[:, None]
+                index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+                buckets.append((index.to(device), valid.to(device)))
+                rows.append(index[valid])
+            self._on[device] = (buckets, torch.cat(rows).to(device) if rows else
+                                torch.zeros(0, dtype=torch.long, device=device))
+        return self._on[device]
+
+
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens: torch.Tensor, scale: float,
-                           max_seqlen: int | None = None) -> torch.Tensor:
+                           max_seqlen: int | None = None,
+                           layout: VarlenLayout | None = None) -> torch.Tensor:
     """q, k, v [total, heads, head_dim] -> [total, heads, head_dim]; max_seqlen is unused.
 
-    Sequences of one length go through one SDPA call as a batch (a step's images are often
-    all one size), in float32; differentiable, so training uses it too."""
+    `layout`, when the caller keeps one for the step, spares reading `cu_seqlens` back and
+    bucketing again."""
     check_varlen_inputs(q, k, v, cu_seqlens)
-    bounds = cu_seqlens.tolist()
-    by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
-    pieces, order = [], []
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None]
-                + torch.arange(length, device=q.device)[None, :]).reshape(-1)
-        # [sequences, heads, length, head_dim], as SDPA takes it.
-        q_seq, k_seq, v_seq = (x[rows].unflatten(0, (len(starts), length)).transpose(1, 2)
-                               .float() for x in (q, k, v))
-        attended = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, scale=scale)
-        pieces.append(attended.transpose(1, 2).flatten(0, 1))
-        order.append(rows)
-    if not pieces:
+    if layout is None:
+        layout = VarlenLayout(cu_seqlens.tolist())
+    buckets, rows = layout.on(q.device)
+    if not buckets:
         return torch.zeros_like(q)
+    pieces = []
+    for index, valid in buckets:
+        # [sequences, heads, longest, head_dim], as SDPA takes it; padded keys masked out.
+        q_pad, k_pad, v_pad = (x[index].transpose(1, 2).float() for x in (q, k, v))
+        attended = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, scale=scale,
+                                                  attn_mask=valid[:, None, None, :])
+        pieces.append(attended.transpose(1, 2)[valid])
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # float(): under autocast SDPA returns bf16 whatever its inputs.
-    out = out.index_copy(0, torch.cat(order), torch.cat(pieces).float())
+    out = out.index_copy(0, rows, torch.cat(pieces).float())
     return out.to(q.dtype)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens: torch.Tensor, scale: float,
-                     max_seqlen: int | None = None) -> torch.Tensor:
+                     max_seqlen: int | None = None,
+                     layout: VarlenLayout | None = None) -> torch.Tensor:
     """q, k, v [total, heads, head_dim] -> [total, heads, head_dim], block-diagonal by
     `cu_seqlens`. `max_seqlen` (the longest sequence) sizes the kernel's grid; passing it
     spares a device-to-host copy."""
@@ -69,4 +111,4 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from muse.kernels.varlen_attention_triton import varlen_attention_triton
 
         return varlen_attention_triton(q, k, v, cu_seqlens, scale, max_seqlen)
-    return varlen_attention_torch(q, k, v, cu_seqlens, scale, max_seqlen)
+    return varlen_attention_torch(q, k, v, cu_seqlens, scale, max_seqlen, layout)

@@ -17,6 +17,7 @@ alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import partial
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from muse.config import AudioConfig
-from muse.kernels.varlen_attention import varlen_attention
+from muse.kernels.varlen_attention import VarlenLayout, varlen_attention
 from muse.multimodal.encoder_layer import EncoderLayer
 
 # Sinusoidal timescales as in the Transformer paper: wavelengths from 2*pi to 10000*2*pi frames.
@@ -104,6 +105,42 @@ def log_mel_features(waveform: torch.Tensor, config: AudioConfig,
     return ((logs + 4.0) / 4.0).reshape(num_tokens, -1)
 
 
+def log_mel_features_packed(waveforms: list[torch.Tensor], config: AudioConfig,
+                            filterbank: torch.Tensor) -> torch.Tensor:
+    """`log_mel_features` of several clips, concatenated: [total tokens, features].
+
+    One STFT over all clips laid end to end, each padded to whole tokens and past its end by
+    whole hops (at least one window), so every clip starts on a frame and no frame reaches
+    the next clip; each clip keeps its own frames and its own loudest band. A handful of
+    operations whatever the number of clips, where clip by clip costs ~25 each."""
+    hop, n_fft = config.mel_hop_length, config.mel_n_fft
+    device = waveforms[0].device
+    tail = -(-(n_fft - hop) // hop) * hop
+    tokens = [num_audio_tokens(waveform.numel(), config) for waveform in waveforms]
+    frames_per_token = config.samples_per_token // hop
+    sizes = [waveform.numel() for waveform in waveforms]
+    segments = [count * config.samples_per_token + tail for count in tokens]
+    starts = [0, *itertools.accumulate(segments)]
+    # Where each clip's samples go, and which frames are each clip's, worked out on the host.
+    sample_index = torch.cat([torch.arange(size) + start for size, start in zip(sizes, starts)])
+    frame_index = torch.cat([torch.arange(count * frames_per_token) + start // hop
+                             for count, start in zip(tokens, starts)])
+    clip_of_frame = torch.repeat_interleave(torch.arange(len(waveforms)),
+                                            torch.tensor(tokens) * frames_per_token)
+    signal = torch.zeros(starts[-1], device=device).index_copy(
+        0, sample_index.to(device), torch.cat([w.float() for w in waveforms]))
+    window = torch.hann_window(n_fft, device=device)
+    spectrum = torch.stft(signal, n_fft, hop_length=hop, window=window, center=False,
+                          return_complex=True)[:, frame_index.to(device)]
+    power = spectrum.abs().square().T @ filterbank.to(device, torch.float32)
+    logs = torch.clamp(power, min=1e-10).log10()
+    clip_of_frame = clip_of_frame.to(device)
+    loudest = torch.full((len(waveforms),), float("-inf"), device=device).scatter_reduce(
+        0, clip_of_frame, logs.amax(-1), reduce="amax")
+    logs = torch.maximum(logs, (loudest[clip_of_frame] - 8.0)[:, None])
+    return ((logs + 4.0) / 4.0).reshape(sum(tokens), -1)
+
+
 def sinusoidal_positions(num_frames: int, hidden_size: int, device: torch.device | str | None = None
                          ) -> torch.Tensor:
     """[num_frames, hidden_size] float32 sin / cos positions; computed, so any length works."""
@@ -144,16 +181,17 @@ class AudioEncoder(nn.Module):
         weight = self.frame_embedding.weight
         for waveform in waveforms:
             _check_waveform(waveform, self.config, sample_rate)
-        clip_frames = [log_mel_features(waveform.to(weight.device), self.config,
-                                        self.mel_filters) for waveform in waveforms]
-        lengths = [clip.shape[0] for clip in clip_frames]
+        features = log_mel_features_packed([w.to(weight.device) for w in waveforms],
+                                           self.config, self.mel_filters)
+        lengths = [num_audio_tokens(waveform.numel(), self.config) for waveform in waveforms]
         cu_seqlens = torch.tensor([0, *lengths], device=weight.device).cumsum(0, dtype=torch.int32)
-        hidden = self.frame_embedding(torch.cat(clip_frames).to(weight.device, weight.dtype))
+        hidden = self.frame_embedding(features.to(weight.dtype))
         table = sinusoidal_positions(max(lengths), self.config.hidden_size, weight.device)
         positions = torch.cat([table[:length] for length in lengths])
         hidden = hidden + positions.to(hidden.dtype)
+        bounds = [0, *itertools.accumulate(lengths)]
         attend = partial(varlen_attention, cu_seqlens=cu_seqlens, scale=self.head_dim ** -0.5,
-                         max_seqlen=max(lengths))
+                         max_seqlen=max(lengths), layout=VarlenLayout(bounds))
         for layer in self.layers:
             hidden = layer(hidden, attend)
         return list(self.projector(self.post_norm(hidden)).split(lengths))

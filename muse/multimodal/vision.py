@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from muse.config import VisionConfig
-from muse.kernels.varlen_attention import varlen_attention
+from muse.kernels.varlen_attention import VarlenLayout, varlen_attention
 from muse.multimodal.encoder_layer import Attend, EncoderLayer
 
 # Base of the 2D rotary frequencies (Qwen2-VL's vision encoder uses the same).
@@ -104,8 +104,10 @@ def patchify(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, 
     return x.reshape(grid.num_patches, channels * temporal * patch * patch), grid
 
 
+@lru_cache(maxsize=256)
 def patch_positions(grid: PatchGrid, spatial_merge_size: int) -> torch.Tensor:
-    """(row, column) in patches of each patch, in `patchify`'s order: long [N, 2]."""
+    """(row, column) in patches of each patch, in `patchify`'s order: long [N, 2]. Cached by
+    grid (a step's images come in few sizes): callers must not write to it."""
     merge = spatial_merge_size
     rows = torch.arange(grid.height)[:, None].expand(grid.height, grid.width)
     columns = torch.arange(grid.width)[None, :].expand(grid.height, grid.width)
@@ -221,7 +223,8 @@ class VisionEncoder(nn.Module):
         device = self.patch_embed.weight.device
         cu_seqlens = packed.cu_seqlens.to(device)
         attend = partial(varlen_attention, cu_seqlens=cu_seqlens, scale=self.head_dim ** -0.5,
-                         max_seqlen=packed.max_seqlen)
+                         max_seqlen=packed.max_seqlen,
+                         layout=VarlenLayout(packed.cu_seqlens.tolist()))
         embeddings = self._run(packed.patches.to(device), packed.positions.to(device), attend)
         merge = self.config.spatial_merge_size
         sizes = [grid.num_tokens(merge) for grid in packed.grids]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muse.kernels.varlen_attention import varlen_attention, varlen_attention_torch
+from muse.kernels.varlen_attention import (VarlenLayout, varlen_attention,
+                                           varlen_attention_torch)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -56,6 +57,29 @@ def test_twin_batches_equal_lengths_and_keeps_gradients() -> None:
     out = varlen_attention_torch(*inputs, cu_seqlens, scale=0.4)
     expected = _dense_each_alone(*references, lengths, 0.4)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for got, want in zip(inputs, references):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_twin_pads_sequences_of_near_lengths_into_one_call() -> None:
+    """Lengths within BUCKET_RATIO of each other share a padded, masked SDPA call; the
+    padding changes neither the outputs nor the gradients, and a layout kept for the step
+    gives what one made from cu_seqlens gives."""
+    lengths = [8, 10, 9, 1, 30, 33]
+    q, k, v, cu_seqlens = packed(lengths, heads=2, head_dim=8, dtype=torch.float32,
+                                 device="cpu", seed=5)
+    layout = VarlenLayout(cu_seqlens.tolist())
+    assert [[length for length, _ in bucket] for bucket in layout.buckets] == \
+        [[1], [8, 9, 10], [30, 33]]
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    references = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = varlen_attention_torch(*inputs, cu_seqlens, scale=0.4, layout=layout)
+    expected = _dense_each_alone(*references, lengths, 0.4)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(varlen_attention_torch(q, k, v, cu_seqlens, scale=0.4), out)
     weights = torch.randn_like(out)
     (out * weights).sum().backward()
     (expected * weights).sum().backward()
@@ -134,7 +158,9 @@ def test_vision_encoder_through_the_kernel(monkeypatch, device, triton_kernel) -
               torch.randn(2, 3, side, side, generator=gen)]
     with torch.no_grad():
         expected = vision.encode_each_alone(encoder, pixels)
-        monkeypatch.setattr(vision, "varlen_attention", triton_kernel.varlen_attention_triton)
+        # The kernel reads cu_seqlens itself: the torch path's layout is not for it.
+        monkeypatch.setattr(vision, "varlen_attention", lambda *args, layout=None, **kwargs:
+                            triton_kernel.varlen_attention_triton(*args, **kwargs))
         got = encoder(pixels)
     for out, reference in zip(got, expected):
         torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)

@@ -7,6 +7,7 @@ from muse.multimodal.audio import (
     AudioEncoder,
     frames,
     log_mel_features,
+    log_mel_features_packed,
     mel_filterbank,
     num_audio_tokens,
     sinusoidal_positions,
@@ -143,6 +144,18 @@ def test_log_mel_features_put_a_tone_in_its_band():
     # The band whose filter peaks nearest 1 kHz.
     peaks = mel_filterbank(config).argmax(0).double() * config.sample_rate / config.mel_n_fft
     assert set(loudest.tolist()) == {int((peaks - 1000.0).abs().argmin())}
+
+
+def test_packed_log_mel_features_equal_each_clip_alone():
+    """Clips of whole tokens, of a few samples, long and quiet: each keeps its own frames and
+    its own loudest band (a quiet clip beside a loud one is not clamped by the loud one)."""
+    config = tiny().audio_config
+    clips = _clips([1920, 7, 3 * 1920 + 500, 24000, 2 * 1920])
+    clips[1] = clips[1] * 1e-3
+    filters = mel_filterbank(config)
+    packed = log_mel_features_packed(clips, config, filters)
+    alone = torch.cat([log_mel_features(clip, config, filters) for clip in clips])
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
 def test_mel_filterbank_covers_up_to_its_top_frequency():
