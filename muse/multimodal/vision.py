@@ -64,12 +64,9 @@ class PatchGrid:
         return self.temporal * self.tokens_per_group(spatial_merge_size)
 
 
-def patchify(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, PatchGrid]:
-    """An image [C, H, W] or video frames [T, C, H, W] -> patches [N, C * tp * p * p], grid.
-
-    Features of a patch are ordered (channel, frame, row, column); patches are ordered frame
-    group, merged square (raster), then the patches inside the square (raster).
-    """
+def _as_frames(pixels: torch.Tensor, config: VisionConfig) -> torch.Tensor:
+    """An image [C, H, W] (repeated `temporal_patch_size` times) or video frames [T, C, H, W],
+    checked -> frames [T, C, H, W]."""
     patch, temporal, merge = config.patch_size, config.temporal_patch_size, \
         config.spatial_merge_size
     if not pixels.is_floating_point():
@@ -86,7 +83,7 @@ def patchify(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, 
     else:
         raise ValueError(f"pixels must be an image [C, H, W] or video frames [T, C, H, W]; got "
                          f"shape {tuple(pixels.shape)}")
-    num_frames, channels, height, width = frames.shape
+    _, channels, height, width = frames.shape
     if channels != config.in_channels:
         raise ValueError(f"pixels have {channels} channels; vision_config.in_channels is "
                          f"{config.in_channels}")
@@ -95,13 +92,32 @@ def patchify(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, 
         raise ValueError(f"image size {height}x{width} is not a positive multiple of "
                          f"vision_config.patch_size * vision_config.spatial_merge_size = "
                          f"{patch} * {merge} = {side} in both height and width; resize first")
+    return frames
+
+
+def _patchify_frames(frames: torch.Tensor, config: VisionConfig
+                     ) -> tuple[torch.Tensor, PatchGrid]:
+    """Frames [B, T, C, H, W] of B items of one size -> patches [B, N, C * tp * p * p]."""
+    patch, temporal, merge = config.patch_size, config.temporal_patch_size, \
+        config.spatial_merge_size
+    items, num_frames, channels, height, width = frames.shape
     grid = PatchGrid(num_frames // temporal, height // patch, width // patch)
-    x = frames.reshape(grid.temporal, temporal, channels, grid.height // merge, merge, patch,
-                       grid.width // merge, merge, patch)
-    # -> groups, square row, square column, row in square, column in square,
+    x = frames.reshape(items, grid.temporal, temporal, channels, grid.height // merge, merge,
+                       patch, grid.width // merge, merge, patch)
+    # -> item, groups, square row, square column, row in square, column in square,
     #    channel, frame, pixel row, pixel column
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(grid.num_patches, channels * temporal * patch * patch), grid
+    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return x.reshape(items, grid.num_patches, channels * temporal * patch * patch), grid
+
+
+def patchify(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, PatchGrid]:
+    """An image [C, H, W] or video frames [T, C, H, W] -> patches [N, C * tp * p * p], grid.
+
+    Features of a patch are ordered (channel, frame, row, column); patches are ordered frame
+    group, merged square (raster), then the patches inside the square (raster).
+    """
+    patches, grid = _patchify_frames(_as_frames(pixels, config)[None], config)
+    return patches[0], grid
 
 
 @lru_cache(maxsize=256)
@@ -149,8 +165,17 @@ def pack_media(pixels: Sequence[torch.Tensor], config: VisionConfig) -> PackedMe
     """Patchify each image / video and concatenate them; frame groups attend separately."""
     if not pixels:
         raise ValueError("pack_media needs at least one image or video")
-    patches, grids = zip(*(patchify(item, config) for item in pixels))
-    grids = list(grids)
+    # Items of one size are cut into patches together: a step's images come in few sizes.
+    frames = [_as_frames(item, config) for item in pixels]
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for index, item in enumerate(frames):
+        by_size.setdefault(tuple(item.shape), []).append(index)
+    cut: dict[int, tuple[torch.Tensor, PatchGrid]] = {}
+    for members in by_size.values():
+        batch, grid = _patchify_frames(torch.stack([frames[i] for i in members]), config)
+        cut.update((index, (item, grid)) for index, item in zip(members, batch.unbind(0)))
+    patches = [cut[index][0] for index in range(len(pixels))]
+    grids = [cut[index][1] for index in range(len(pixels))]
     group_lengths = [grid.patches_per_group for grid in grids for _ in range(grid.temporal)]
     cu_seqlens = torch.tensor([0] + group_lengths, dtype=torch.int32).cumsum(0,
                                                                              dtype=torch.int32)
