@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from muse.presets import PRESETS
+from muse.train.options import (add_length_arguments, add_machine_arguments,
+                                add_optimizer_arguments, add_speech_arguments)
 
 
 @dataclass
@@ -58,36 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this checkpoint folder's weights; encoders it lacks "
                              "start fresh (default: seeded random weights)")
     parser.add_argument("--preset", default=defaults.preset, help=f"one of {', '.join(PRESETS)}")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="stop after this many steps (default: as many as the time budget "
-                             "allows)")
-    parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop (and save) before this much wall time has passed (default: "
-                             "no limit; give this, --steps or both)")
+    add_length_arguments(parser)
     parser.add_argument("--images", type=int, default=defaults.images,
                         help="pictures per step")
     parser.add_argument("--videos", type=int, default=defaults.videos, help="clips per step")
     parser.add_argument("--clips", type=int, default=defaults.clips,
                         help="spoken clips per step")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
-                        help="the cosine decays to this fraction of the peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
-                        help="steps of linear learning-rate warmup")
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
-                        help="AdamW weight decay of matrices")
-    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
-                        help="clip the gradient norm to this")
+    add_optimizer_arguments(parser, defaults)
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="seeds fresh weights, the data stream and a synthesized speech pool")
-    parser.add_argument("--device", default=defaults.device,
-                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    parser.add_argument("--num-workers", type=int, default=None,
-                        help="data loader processes (default: 0 on CPU, up to 16 on GPU)")
+    add_machine_arguments(parser, defaults)
     parser.add_argument("--log-every", type=int, default=defaults.log_every,
                         help="steps between lines of encoder_log.jsonl")
-    parser.add_argument("--speech-pool", default=None,
-                        help="a saved pool of spoken clips (default: synthesize "
-                             "--speech-clips with espeak-ng)")
-    parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
-                        help="clips to synthesize when no --speech-pool is given")
+    add_speech_arguments(parser, defaults)

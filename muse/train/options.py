@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from muse.presets import PRESETS
 
@@ -65,6 +66,47 @@ class PretrainArgs:
                              "--warmup-steps >= 0")
 
 
+def add_length_arguments(parser: argparse.ArgumentParser) -> None:
+    """--steps and --time-budget-minutes: how long a training command runs."""
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many steps (default: as many as the time budget "
+                             "allows)")
+    parser.add_argument("--time-budget-minutes", type=float, default=None,
+                        help="stop (and save) before this much wall time has passed (default: "
+                             "no limit; give this, --steps or both)")
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser, defaults: Any) -> None:
+    """The AdamW and learning-rate schedule flags, with `defaults`' values."""
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
+                        help="the cosine decays to this fraction of the peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                        help="steps of linear learning-rate warmup")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                        help="AdamW weight decay of matrices (norm gains and biases get none)")
+    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
+                        help="clip the gradient norm to this")
+
+
+def add_machine_arguments(parser: argparse.ArgumentParser, defaults: Any) -> None:
+    """--device and --num-workers."""
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="data loader processes (default: 0 on CPU, up to 16 on GPU)")
+
+
+def add_speech_arguments(parser: argparse.ArgumentParser, defaults: Any) -> None:
+    """Where the spoken clips of a model with an audio encoder come from."""
+    parser.add_argument("--speech-pool", default=None,
+                        help="a saved pool of spoken clips (muse.train.data.speech) for the "
+                             "audio task (default: synthesize --speech-clips with espeak-ng)")
+    parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
+                        help="clips to synthesize for the audio task when no --speech-pool is "
+                             "given")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `muse train pretrain` flags (defaults: the shipped model's recipe). Flags whose
     default is a value get "(default: VALUE)" from the CLI's help formatter; the others say
@@ -72,12 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = PretrainArgs(out="")
     parser.add_argument("--out", required=True, help="output folder (a checkpoint + logs)")
     parser.add_argument("--preset", default=defaults.preset, help=f"one of {', '.join(PRESETS)}")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="stop after this many steps (default: as many as the time budget "
-                             "allows)")
-    parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop (and save) before this much wall time has passed (default: "
-                             "no limit; give this, --steps or both)")
+    add_length_arguments(parser)
     parser.add_argument("--schedule-steps", type=int, default=None,
                         help="length of the learning-rate schedule in steps, for a run split "
                              "over several commands: each stops at its time budget and the "
@@ -93,15 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (default: 1024, halved until one sequence "
                              "fits in the device's free memory)")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
-                        help="the cosine decays to this fraction of the peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
-                        help="steps of linear learning-rate warmup")
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
-                        help="AdamW weight decay of matrices (norm gains and biases get none)")
-    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip,
-                        help="clip the gradient norm to this")
+    add_optimizer_arguments(parser, defaults)
     parser.add_argument("--encoder-lr-scale", type=float, default=defaults.encoder_lr_scale,
                         help="the vision and audio encoders' learning rate as a multiple of "
                              "the schedule's")
@@ -122,17 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and schedule: a further stage of training, e.g. on a fresh "
                              "machine without the optimizer state (default: seeded random "
                              "weights)")
-    parser.add_argument("--device", default=defaults.device,
-                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    parser.add_argument("--num-workers", type=int, default=None,
-                        help="data loader processes (default: 0 on CPU, up to 16 on GPU)")
+    add_machine_arguments(parser, defaults)
     parser.add_argument("--log-every", type=int, default=defaults.log_every,
                         help="steps between lines of train_log.jsonl")
-    parser.add_argument("--speech-pool", default=None,
-                        help="a saved pool of spoken clips (muse.train.data.speech) for the "
-                             "audio task (default: synthesize --speech-clips with espeak-ng)")
-    parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
-                        help="clips to synthesize for the audio task when no --speech-pool is "
-                             "given")
+    add_speech_arguments(parser, defaults)
     parser.add_argument("--save-every-minutes", type=float, default=defaults.save_every_minutes,
                         help="minutes between saves of the checkpoint and training state")
