@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from muse.presets import PRESETS
 from muse.train.options import (add_length_arguments, add_machine_arguments,
-                                add_optimizer_arguments, add_speech_arguments)
+                                add_optimizer_arguments, add_speech_arguments,
+                                validate_common)
 
 
 @dataclass
@@ -33,22 +34,15 @@ class EncoderTrainArgs:
     speech_clips: int = 6000
 
     def validate(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        if self.steps is None and self.time_budget_minutes is None:
-            raise ValueError("give --steps, --time-budget-minutes, or both")
-        for name in ("steps", "time_budget_minutes", "lr", "log_every"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("images", "videos", "clips", "warmup_steps", "speech_clips"):
+        validate_common(self)
+        if self.log_every < 1:
+            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
+        for name in ("images", "videos", "clips", "speech_clips"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
                                  f"{getattr(self, name)}")
         if self.images + self.videos + self.clips == 0:
             raise ValueError("--images, --videos and --clips are all 0: nothing to train on")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

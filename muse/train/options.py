@@ -45,14 +45,9 @@ class PretrainArgs:
     speech_clips: int = 6000
 
     def validate(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        if self.steps is None and self.time_budget_minutes is None:
-            raise ValueError("give --steps, --time-budget-minutes, or both")
-        for name in ("steps", "time_budget_minutes", "schedule_steps"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        validate_common(self)
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
         for name in ("batch_size", "seq_len", "micro_batch_size", "log_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -61,9 +56,22 @@ class PretrainArgs:
             raise ValueError("--resume continues a run; --init-from starts a new one: give one")
         if self.encoder_lr_scale <= 0:
             raise ValueError(f"--encoder-lr-scale must be positive, got {self.encoder_lr_scale}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError("--lr must be positive, --min-lr-ratio in [0, 1] and "
-                             "--warmup-steps >= 0")
+
+
+def validate_common(args: Any) -> None:
+    """The checks every training command's arguments share: a known preset, a length, and
+    an optimizer schedule that makes sense."""
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    if args.steps is None and args.time_budget_minutes is None:
+        raise ValueError("give --steps, --time-budget-minutes, or both")
+    for name in ("steps", "time_budget_minutes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1 or args.warmup_steps < 0:
+        raise ValueError("--lr must be positive, --min-lr-ratio in [0, 1] and "
+                         "--warmup-steps >= 0")
 
 
 def add_length_arguments(parser: argparse.ArgumentParser) -> None:
