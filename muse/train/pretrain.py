@@ -168,7 +168,8 @@ class Run:
         self.step = self.state["step"] if self.state else 0
         # A step-bounded run knows its length (`--steps` counts from step 0, so resuming
         # with a larger value extends the run); a budgeted one fixes it once it has measured
-        # its speed, and keeps that length when resumed.
+        # its speed, and keeps that length when resumed; `--schedule-steps` fixes it outright
+        # (a run split over several budgeted commands).
         self.total_steps = args.schedule_steps or args.steps
         if args.time_budget_minutes is not None and args.schedule_steps is None:
             saved = self.state["total_steps"] if self.state else None
