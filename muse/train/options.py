@@ -54,6 +54,8 @@ class PretrainArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.resume and self.init_from:
             raise ValueError("--resume continues a run; --init-from starts a new one: give one")
+        if self.speech_clips < 0:
+            raise ValueError(f"--speech-clips must be >= 0, got {self.speech_clips}")
         if self.encoder_lr_scale <= 0:
             raise ValueError(f"--encoder-lr-scale must be positive, got {self.encoder_lr_scale}")
 
@@ -112,7 +114,7 @@ def add_speech_arguments(parser: argparse.ArgumentParser, defaults: Any) -> None
                              "audio task (default: synthesize --speech-clips with espeak-ng)")
     parser.add_argument("--speech-clips", type=int, default=defaults.speech_clips,
                         help="clips to synthesize for the audio task when no --speech-pool is "
-                             "given")
+                             "given; 0: no audio task (espeak-ng is then not needed)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

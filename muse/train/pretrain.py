@@ -131,9 +131,11 @@ def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.de
 
 def load_or_build_speech_pool(config: MuseSparkConfig, path: str | None, clips: int,
                               seed: int) -> Any:
-    """Spoken clips for the audio task (None without an audio encoder): loaded from `path`,
-    or `clips` synthesized with espeak-ng (before any data worker forks)."""
-    if config.audio_config is None:
+    """Spoken clips for the audio task: loaded from `path`, or `clips` synthesized with
+    espeak-ng (before any data worker forks). None, and no audio task, without an audio
+    encoder or with no clips asked for (`--speech-clips 0`, e.g. where espeak-ng is not
+    installed)."""
+    if config.audio_config is None or (not path and clips == 0):
         return None
     from muse.train.data.speech import SpeechPool
 

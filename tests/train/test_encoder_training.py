@@ -183,3 +183,9 @@ def test_a_run_writes_a_checkpoint_the_decoder_stage_starts_from(
                for name in after if name.startswith("vision_tower."))
     assert any(not torch.equal(after[name].bfloat16(), before[name].bfloat16())
                for name in after if name.startswith("audio_tower."))
+
+
+def test_no_speech_clips_means_no_audio_task_and_no_espeak(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MUSE_ESPEAK_NG", "/nonexistent/espeak-ng")
+    assert pretrain.load_or_build_speech_pool(get_preset("muse-spark-tiny"), None, 0, 0) is None
