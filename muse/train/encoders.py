@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +37,9 @@ from muse.train.data.encoder_labels import (DIRECTIONS, IGNORE, MAX_OPERAND, NUM
                                             EncoderBatches)
 from muse.train.data.vision_tasks import BACKGROUND_CLASS
 from muse.train.encoder_options import EncoderTrainArgs
-from muse.train.pretrain import (build_model, load_initial_weights, load_or_build_speech_pool,
-                                 processor_for, resolve_device)
+from muse.train.pretrain import (build_model, decay_groups, load_initial_weights,
+                                 load_or_build_speech_pool, processor_for, resolve_device,
+                                 step_loader)
 from muse.train.schedule import learning_rate
 
 logger = logging.getLogger("muse.train")
@@ -127,23 +127,9 @@ def encoder_scores(model: MuseSparkForConditionalGeneration, heads: EncoderHeads
 
 def _optimizer(modules: list[nn.Module], args: EncoderTrainArgs, device: torch.device
                ) -> torch.optim.AdamW:
-    decay, keep = [], []
-    for module in modules:
-        for name, param in module.named_parameters():
-            (keep if "norm" in name or param.ndim < 2 else decay).append(param)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": keep, "weight_decay": 0.0}], lr=args.lr,
+    named = [item for module in modules for item in module.named_parameters()]
+    return torch.optim.AdamW(decay_groups(named, args.weight_decay), lr=args.lr,
                              betas=(0.9, 0.98), fused=device.type == "cuda")
-
-
-def _loader(batches: EncoderBatches, steps: int, device: torch.device, workers: int | None
-            ) -> torch.utils.data.DataLoader:
-    if workers is None:
-        workers = 0 if device.type == "cpu" else min(16, max(1, (os.cpu_count() or 2) - 2))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return torch.utils.data.DataLoader(
-        batches, batch_size=None, sampler=range(steps), num_workers=workers,
-        pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None)
 
 
 def train(args: EncoderTrainArgs) -> Path:
@@ -162,7 +148,8 @@ def train(args: EncoderTrainArgs) -> Path:
     if pool is not None:
         pool.save(out / SPEECH_POOL_FILE)
     batches = EncoderBatches(processor, args.seed, args.images, args.videos, args.clips, pool)
-    data = iter(_loader(batches, args.steps or sys.maxsize, device, args.num_workers))
+    data = iter(step_loader(batches, range(args.steps or sys.maxsize), device,
+                            args.num_workers))
 
     torch.manual_seed(args.seed)
     model = build_model(config, args.seed)

@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -110,6 +111,17 @@ def processor_for(config: MuseSparkConfig, preset: str, tokenizer: MuseTokenizer
     return MuseSparkProcessor(config, preset_processor_config(preset), tokenizer)
 
 
+def decay_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float,
+                 **options: Any) -> list[dict[str, Any]]:
+    """Optimizer parameter groups: matrices with `weight_decay`, norm gains and biases with
+    none (empty groups left out); `options` go in both."""
+    decay, keep = [], []
+    for name, param in named:
+        (keep if "norm" in name or param.ndim < 2 else decay).append(param)
+    return [{"params": params, "weight_decay": rate, **options}
+            for params, rate in ((decay, weight_decay), (keep, 0.0)) if params]
+
+
 def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.device
                     ) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains and biases are left alone); the
@@ -117,14 +129,10 @@ def build_optimizer(model: torch.nn.Module, args: PretrainArgs, device: torch.de
     of their groups), so fresh encoders can move faster than a trained decoder."""
     groups = []
     for encoder in (False, True):
-        decay, keep = [], []
-        for name, param in model.named_parameters():
-            if name.startswith(ENCODER_PREFIXES) == encoder:
-                (keep if "norm" in name or param.ndim < 2 else decay).append(param)
-        scale = args.encoder_lr_scale if encoder else 1.0
-        groups += [{"params": params, "weight_decay": weight_decay, "lr_scale": scale}
-                   for params, weight_decay in ((decay, args.weight_decay), (keep, 0.0))
-                   if params]
+        named = [(name, param) for name, param in model.named_parameters()
+                 if name.startswith(ENCODER_PREFIXES) == encoder]
+        groups += decay_groups(named, args.weight_decay,
+                               lr_scale=args.encoder_lr_scale if encoder else 1.0)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                              fused=device.type == "cuda")
 
@@ -145,6 +153,20 @@ def load_or_build_speech_pool(config: MuseSparkConfig, path: str | None, clips: 
     pool = SpeechPool.build(seed=seed, size=clips, workers=os.cpu_count() or 1)
     logger.info("speech pool: %d clips in %.1f s", clips, time.monotonic() - began)
     return pool
+
+
+def step_loader(batches: torch.utils.data.Dataset, steps: range, device: torch.device,
+                workers: int | None) -> torch.utils.data.DataLoader:
+    """Batches of a dataset whose item `step` is a whole batch, made ahead by `workers`
+    forked processes (default: none on a CPU, up to 16 beside a GPU)."""
+    if workers is None:
+        workers = 0 if device.type == "cpu" else min(16, max(1, (os.cpu_count() or 2) - 2))
+    # Workers are forked processes; tokenizers' own thread pool must not be copied into
+    # them mid-use.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return torch.utils.data.DataLoader(
+        batches, batch_size=None, sampler=steps, num_workers=workers,
+        pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None)
 
 
 class Run:
@@ -241,16 +263,8 @@ class Run:
         return batches, manifest
 
     def loader(self, batches: TrainingBatches, last_step: int) -> torch.utils.data.DataLoader:
-        workers = self.args.num_workers
-        if workers is None:
-            workers = 0 if self.device.type == "cpu" \
-                else min(16, max(1, (os.cpu_count() or 2) - 2))
-        # Workers are forked processes; tokenizers' own thread pool must not be copied into
-        # them mid-use.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return torch.utils.data.DataLoader(
-            batches, batch_size=None, sampler=range(self.step, last_step), num_workers=workers,
-            pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers else None)
+        return step_loader(batches, range(self.step, last_step), self.device,
+                           self.args.num_workers)
 
     # ---- saving --------------------------------------------------------------------------
     def save(self, model: MuseForCausalLM, optimizer: torch.optim.Optimizer) -> None:
