@@ -142,3 +142,18 @@ def test_the_reasoning_repeats_the_request_before_naming_the_tool() -> None:
             assert reply["reasoning_content"].startswith(f"The user asks to {action}.")
             if case.tool is not None:
                 assert reply["reasoning_content"].endswith(f"I should call {case.tool.name}.")
+
+
+def test_training_names_are_spelled_with_every_letter_and_common_words() -> None:
+    # A name word starting with a vowel ("_a", "_e" pieces) or holding "q" must have been
+    # copied in training, or the model writes "bquarium" for "aquarium".
+    tools = [tool for case in _cases(9, 600, TRAIN) for tool in case.offered]
+    words = [word for tool in tools for word in (tool.verb, tool.noun)]
+    assert {word[0] for word in words} >= set("abcdefghijklmnopqrstuvwxyz") - {"q", "x"}
+    assert any("qu" in word for word in words)
+    common = set(unseen_tools.common_words())
+    assert 0.15 < sum(word in common for word in words) / len(words) < 0.5
+    held_out = {word for items in (unseen_tools.VERBS, unseen_tools.NOUNS,
+                                   unseen_tools.QUALIFIERS, unseen_tools.ARGUMENT_WORDS)
+                for word in split_items(items, HELD_OUT)}
+    assert not common & held_out

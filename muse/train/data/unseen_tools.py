@@ -15,8 +15,11 @@ as written in the call, so the call is copied, never guessed. Three kinds of cas
 Vocabularies and phrasings are split by `split.split_items`: held-out cases use verbs,
 nouns, qualifiers, argument words and phrasings that training never shows. A vocabulary of a
 few dozen words would be learnt by heart, and a model that knows the names never needs to
-read them from the schema: so training also draws most words (MADE_UP_SHARE) as made-up
-words of two or three syllables, from a space of millions, and gives the first version's
+read them from the schema: so training also draws most words from elsewhere, a share
+(MADE_UP_SHARE) made-up words of one to three syllables that may start with any letter, from
+a space of millions, and a share (COMMON_WORD_SHARE) everyday words of the Python standard
+library (`muse/assets/tool_words.txt`, without the held-out words), so that names are spelled
+with every letter and every kind of word piece the tokenizer makes; it also gives the first version's
 tool names (`get_weather`, ...) made-up argument names, so that what a name is called is
 always read from the offered schema and the request. Messages have the
 shape of `tools.exchange`, so the chat template renders them and the tool list goes to
@@ -25,26 +28,32 @@ shape of `tools.exchange`, so the chat template renders them and the tool list g
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from muse.train.data.split import TRAIN, split_items
+from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.tools import function_schema
 
 KINDS = ("call", "choose", "no_tool")
-# Training words drawn as made-up words rather than from the word lists.
-MADE_UP_SHARE = 0.6
+# Training words drawn as made-up words, or as common words, rather than from the word lists.
+MADE_UP_SHARE = 0.3
+COMMON_WORD_SHARE = 0.3
+COMMON_WORDS_FILE = Path(__file__).resolve().parents[2] / "assets" / "tool_words.txt"
 # Training tools that take a name of the first version's tools, with made-up arguments.
 FAMILIAR_NAME_SHARE = 0.1
 FAMILIAR_NAMES = (("get", "weather"), ("add", "numbers"), ("search", "files"),
                   ("convert", "currency"), ("get", "time"), ("get", "stock_price"),
                   ("send", "email"))
-ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr",
-          "st", "pl", "gr", "sh", "ch", "kr")
-VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "oo")
-CODAS = ("", "", "", "n", "r", "s", "l", "x", "m")
+# Every letter starts some syllable; "" lets a word (or a syllable) start with its vowel.
+ONSETS = ("", "", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "qu", "r", "s",
+          "t", "v", "w", "x", "y", "z", "br", "tr", "st", "pl", "gr", "sh", "ch", "kr", "th",
+          "ph", "wh", "cl", "fl", "sp", "sk", "sn", "dr")
+VOWELS = ("a", "e", "i", "o", "u", "y", "ai", "ea", "oo", "ou", "ie")
+CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g")
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
 
@@ -217,15 +226,33 @@ def _capitalized(text: str) -> str:
 
 
 def made_up_word(rng: random.Random) -> str:
-    """A pronounceable word that is (almost surely) in no vocabulary: "trealon", "kibus"."""
+    """A pronounceable word that is (almost surely) in no vocabulary: "trealon", "ouckbis"."""
     return "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
-                   for _ in range(rng.randint(2, 3)))
+                   for _ in range(rng.randint(1, 3)))
+
+
+@functools.cache
+def common_words() -> tuple[str, ...]:
+    """The everyday words of `COMMON_WORDS_FILE` (none of them a held-out name word)."""
+    return tuple(COMMON_WORDS_FILE.read_text().split())
+
+
+@functools.cache
+def _held_out_words() -> frozenset[str]:
+    return frozenset(word for words in (VERBS, NOUNS, QUALIFIERS, ARGUMENT_WORDS)
+                     for word in split_items(words, HELD_OUT))
 
 
 def _word(rng: random.Random, words: tuple[str, ...], split: str) -> str:
-    """A word of `split`'s list, or in training often a made-up one."""
-    if split == TRAIN and rng.random() < MADE_UP_SHARE:
-        return made_up_word(rng)
+    """A word of `split`'s list, or in training often a made-up or a common one (never a
+    word the held-out cases use)."""
+    if split == TRAIN:
+        draw = rng.random()
+        while draw < MADE_UP_SHARE + COMMON_WORD_SHARE:
+            word = made_up_word(rng) if draw < MADE_UP_SHARE else rng.choice(common_words())
+            if word not in _held_out_words():
+                return word
+            draw = rng.random()
     return rng.choice(split_items(words, split))
 
 
