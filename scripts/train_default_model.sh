@@ -59,15 +59,18 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/run.log"
 
-if [ "$ENCODER_MINUTES" != 0 ] && [ -z "${RESUME:-}" ]; then
-    ENCODERS=("$PYTHON" -m muse.cli train encoders --preset muse-spark-default
-              --out "$WORK/encoders" --time-budget-minutes "$ENCODER_MINUTES" --seed "$SEED"
-              --speech-clips "$CLIPS")
-    if [ -n "${INIT_FROM:-}" ]; then ENCODERS+=(--init-from "$INIT_FROM"); fi
-    echo "+ ${ENCODERS[*]}" | tee "$LOG"
-    "${ENCODERS[@]}" 2>&1 | tee -a "$LOG"
-    cp "$WORK/encoders/encoder_log.jsonl" "$WORK/encoders/encoder_summary.json" "$OUT/"
-    INIT_FROM="$WORK/encoders"
+if [ "$ENCODER_MINUTES" != 0 ]; then
+    if [ -z "${RESUME:-}" ]; then
+        ENCODERS=("$PYTHON" -m muse.cli train encoders --preset muse-spark-default
+                  --out "$WORK/encoders" --time-budget-minutes "$ENCODER_MINUTES"
+                  --seed "$SEED" --speech-clips "$CLIPS")
+        if [ -n "${INIT_FROM:-}" ]; then ENCODERS+=(--init-from "$INIT_FROM"); fi
+        echo "+ ${ENCODERS[*]}" | tee "$LOG"
+        "${ENCODERS[@]}" 2>&1 | tee -a "$LOG"
+        cp "$WORK/encoders/encoder_log.jsonl" "$WORK/encoders/encoder_summary.json" "$OUT/"
+        INIT_FROM="$WORK/encoders"
+    fi
+    # A resumed decoder stage keeps the encoder stage's clips (a run-defining argument).
     SPEECH_POOL="$WORK/encoders/speech_pool.npz"
 fi
 
