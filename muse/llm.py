@@ -55,6 +55,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()
+
     # ---- prompts -------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the engine's worker processes (with `tensor_parallel_size` > 1); the engine
@@ -151,9 +155,9 @@ class LLM:
             for prompt, params in zip(prompts, sampling_params):
                 text, ids = self._prompt_ids(prompt)
                 group_id = str(next(self._ids))
-                media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-                samples = self.engine.add_request(group_id, ids, params, media) if media \
-                    else self.engine.add_request(group_id, ids, params)
+                extra = {key: prompt[key] for key in ("multi_modal_data", "cache_salt")
+                         if isinstance(prompt, dict) and prompt.get(key) is not None}
+                samples = self.engine.add_request(group_id, ids, params, **extra)
                 groups[group_id] = _Group(text, samples,
                                           [self._detokenizer(params, thinking) for _ in samples],
                                           thinking)

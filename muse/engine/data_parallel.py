@@ -45,12 +45,14 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams,
-                    multi_modal_data: dict[str, Any] | None = None) -> list[Request]:
+                    multi_modal_data: dict[str, Any] | None = None,
+                    cache_salt: str | None = None) -> list[Request]:
         if request_id in self.owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=lambda r: len(r.requests))
-        samples = replica.add_request(request_id, prompt_token_ids, params, multi_modal_data)
+        samples = replica.add_request(request_id, prompt_token_ids, params, multi_modal_data,
+                                      cache_salt)
         self.owner[request_id] = replica
         return samples
 
@@ -66,6 +68,10 @@ class DataParallelEngine:
 
     def has_unfinished(self) -> bool:
         return any(replica.has_unfinished() for replica in self.replicas)
+
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas:
+            replica.reset_prefix_cache()
 
     def step(self) -> list[Request]:
         """One step of every rank with work; returns the requests that changed."""

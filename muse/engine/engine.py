@@ -456,12 +456,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams,
-                    multi_modal_data: dict[str, Any] | None = None) -> list[Request]:
+                    multi_modal_data: dict[str, Any] | None = None,
+                    cache_salt: str | None = None) -> list[Request]:
         """Validate and queue a request; its `n` samples share the prompt's KV.
 
         `multi_modal_data` (vLLM's shape): {"image": [...], "video": [...], "audio": [...]},
         one item (or a list) per kind, the k-th of a kind for the prompt's k-th placeholder of
         that kind; the prompt's placeholders are expanded (`muse.multimodal.processor`).
+        `cache_salt` (vLLM's): only requests with the same salt share prefix-cache blocks.
 
         A constrained request whose grammar is not cached waits, unscheduled, while its
         grammar compiles beside the loop; a compile that fails later fails it from `step`."""
@@ -473,6 +475,9 @@ class EngineCore:
             prompt_token_ids, media = self._process_media(prompt_token_ids, multi_modal_data)
         validate_prompt(prompt_token_ids, self.config.vocab_size, self.max_model_len)
         params.validate(self.config.vocab_size)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string",
+                                      param="cache_salt")
         spec = params.structured_output
         compiled = None
         if spec is not None:
@@ -486,7 +491,8 @@ class EngineCore:
                 prompt_token_ids=list(prompt_token_ids), params=params,
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
-                generator=self._generator(params, index), media=media))
+                generator=self._generator(params, index), media=media,
+                cache_salt=cache_salt))
         self.requests[request_id] = samples
         if spec is not None and compiled is None:
             self.grammar_waiting[request_id] = self.grammar_jobs.submit(spec)
@@ -588,6 +594,10 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests compute their prompts afresh."""
+        self.kv_cache.reset_prefix_cache()
 
     def _fork_siblings(self, parent: Request) -> None:
         for child in self.pending_siblings.pop(parent.request_id, []):

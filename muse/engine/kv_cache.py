@@ -1,15 +1,17 @@
-"""Paged KV-cache bookkeeping: one block pool per attention kind, and the prefix cache.
+"""Paged KV-cache bookkeeping: a group per attention kind (its block pool and prefix index),
+and the admission rule of the prefix cache.
 
 Layers of one kind (all sliding layers, or all global layers) share block ids: a request has one
 block table per kind, and block `b` of a kind means slot range [b*block_size, (b+1)*block_size)
-in every layer of that kind. Block 0 of each pool is the null block: it is never handed out, and
-fills table entries a sliding layer no longer needs.
+in every layer of that kind. With speculative decoding the drafter's context rows form a
+third group that shares the global group's block tables (`muse/speculative/draft_kv.py`), so
+it needs no bookkeeping of its own.
 
-Prefix cache: every full block is keyed by (key of the previous block, its token ids), so a key
-names a whole prefix; a block that holds media tokens adds the content hashes of those items.
-A block whose last user leaves keeps its key and stays in the pool's free list (least
-recently freed first out) until it is reused, so a later request with the same prefix can
-take it back.
+Prefix cache: every full block is keyed by `prefix_keys.block_key` (its parent's key, its
+token ids, and the content hashes of media it holds; the first block also the request's
+`cache_salt`), so a key names a whole prefix. A block whose last user leaves keeps its key
+in the group's `PrefixIndex` and stays in the pool's free list (least recently freed first
+out) until it is reused, so a later request with the same prefix can take it back.
 
 When a cached prefix of `P` tokens may be reused (`P` a multiple of the block size, and at most
 prompt length - 1 so at least one token is computed to give logits):
@@ -21,17 +23,14 @@ The longest P that every kind accepts wins.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from muse.config import SLIDING
+from muse.engine.block_pool import NULL_BLOCK, BlockPool
+from muse.engine.prefix_index import PrefixIndex
+from muse.engine.prefix_keys import BlockKey, block_key, first_block_extra_keys, media_extra_keys
 from muse.engine.request import Request
 from muse.multimodal.engine_inputs import block_media_hashes
-
-NULL_BLOCK = 0
-# (hash of the previous block's key, token ids of this block[, content hashes of the media
-# items whose spans meet the block])
-BlockKey = tuple
 
 
 @dataclass
@@ -52,57 +51,13 @@ def window_start_block(kind: str, position: int, sliding_window: int | None,
     return max(0, position - sliding_window + 1) // block_size
 
 
-class BlockPool:
-    """The blocks of one attention kind, with reference counts and cached keys."""
+class KVCacheGroup:
+    """The layers of one attention kind: their block pool and its prefix index."""
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"a KV block pool needs at least 2 blocks, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.keys: list[BlockKey | None] = [None] * num_blocks
-        self.cached: dict[BlockKey, int] = {}
-        # Blocks nobody holds, in the order they should be reused (cached ones are evictable).
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
-
-    def allocate(self) -> int:
-        block, _ = self.free.popitem(last=False)
-        key = self.keys[block]
-        if key is not None:  # evict the cached prefix this block held
-            del self.cached[key]
-            self.keys[block] = None
-        self.ref_counts[block] = 1
-        return block
-
-    def acquire(self, block: int) -> None:
-        """Take one more reference to a cached or shared block."""
-        if self.ref_counts[block] == 0:
-            del self.free[block]
-        self.ref_counts[block] += 1
-
-    def release(self, block: int) -> None:
-        if block == NULL_BLOCK:
-            return
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self.free[block] = None
-
-    def lookup(self, key: BlockKey) -> int | None:
-        return self.cached.get(key)
-
-    def register(self, block: int, key: BlockKey) -> None:
-        # Keep the first copy of a prefix; a duplicate computed at the same time stays private.
-        if self.keys[block] is None and key not in self.cached:
-            self.cached[key] = block
-            self.keys[block] = key
+    def __init__(self, kind: str, num_blocks: int) -> None:
+        self.kind = kind
+        self.index = PrefixIndex()
+        self.pool = BlockPool(num_blocks, on_reuse=self.index.forget)
 
 
 @dataclass
@@ -118,9 +73,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = {kind: BlockPool(n) for kind, n in num_blocks.items()}
+        self.groups = {kind: KVCacheGroup(kind, n) for kind, n in num_blocks.items()}
         self.requests: dict[str, RequestBlocks] = {}
         self.stats = PrefixCacheStats()
+
+    @property
+    def pools(self) -> dict[str, BlockPool]:
+        return {kind: group.pool for kind, group in self.groups.items()}
 
     # ---- helpers -------------------------------------------------------------------------
     def window_start_block(self, kind: str, position: int) -> int:
@@ -131,20 +90,21 @@ class KVCacheManager:
         tokens; returns how many full blocks that is (the keys may already go further)."""
         keys = blocks.keys
         for index in range(len(keys), num_tokens // self.block_size):
-            parent = hash(keys[-1]) if keys else None
             start, end = index * self.block_size, (index + 1) * self.block_size
-            chunk = tuple(request.token_ids(start, end))
-            media = block_media_hashes(request.media, start, end) if request.media else ()
-            # Media tokens are the same placeholder ids for any content: their items'
-            # content hashes join the key, so only the same media share a block.
-            keys.append((parent, chunk, media) if media else (parent, chunk))
+            extra = first_block_extra_keys(request.cache_salt) if index == 0 else ()
+            if request.media:
+                # Media tokens are the same placeholder ids for any content: their items'
+                # content hashes join the key, so only the same media share a block.
+                extra += media_extra_keys(block_media_hashes(request.media, start, end))
+            keys.append(block_key(keys[-1] if keys else None, request.token_ids(start, end),
+                                  extra))
         return num_tokens // self.block_size
 
     def _state(self, request: Request) -> RequestBlocks:
         if request.request_id not in self.requests:
             self.requests[request.request_id] = RequestBlocks(
-                tables={kind: [] for kind in self.pools},
-                num_registered={kind: 0 for kind in self.pools})
+                tables={kind: [] for kind in self.groups},
+                num_registered={kind: 0 for kind in self.groups})
         return self.requests[request.request_id]
 
     # ---- admission -----------------------------------------------------------------------
@@ -156,19 +116,19 @@ class KVCacheManager:
         # Global layers: the longest run of cached blocks from the start.
         longest = self._block_keys(request, state, request.num_tokens - 1)
         keys = state.keys
-        for kind, pool in self.pools.items():
+        for kind, group in self.groups.items():
             if kind == SLIDING:
                 continue
             hits = 0
-            while hits < longest and pool.lookup(keys[hits]) is not None:
+            while hits < longest and group.index.lookup(keys[hits]) is not None:
                 hits += 1
             longest = hits
         # Sliding layers: shrink until the window before the reuse point is cached.
-        if SLIDING in self.pools:
-            pool = self.pools[SLIDING]
+        if SLIDING in self.groups:
+            index = self.groups[SLIDING].index
             while longest > 0:
                 start = self.window_start_block(SLIDING, longest * self.block_size)
-                if all(pool.lookup(keys[b]) is not None for b in range(start, longest)):
+                if all(index.lookup(keys[b]) is not None for b in range(start, longest)):
                     break
                 longest -= 1
         return longest * self.block_size
@@ -184,12 +144,12 @@ class KVCacheManager:
         num_cached_blocks = num_cached_tokens // self.block_size
         keys = state.keys
         plan: dict[str, tuple[list[int], int]] = {}
-        for kind, pool in self.pools.items():
-            table = state.tables[kind]
+        for kind, group in self.groups.items():
+            pool, table = group.pool, state.tables[kind]
             reuse: list[int] = []
             if num_cached_blocks:
                 start = self.window_start_block(kind, first_position)
-                reuse = [NULL_BLOCK] * start + [pool.lookup(keys[b])
+                reuse = [NULL_BLOCK] * start + [group.index.lookup(keys[b])
                                                 for b in range(start, num_cached_blocks)]
             needed = -(-total // self.block_size) - len(table) - len(reuse)
             # Reviving cached blocks that sit in the free list also consumes free blocks.
@@ -198,7 +158,7 @@ class KVCacheManager:
                 return False
             plan[kind] = (reuse, needed)
         for kind, (reuse, needed) in plan.items():
-            pool, table = self.pools[kind], state.tables[kind]
+            pool, table = self.groups[kind].pool, state.tables[kind]
             for block in reuse:
                 if block != NULL_BLOCK:
                     pool.acquire(block)
@@ -220,12 +180,12 @@ class KVCacheManager:
             return
         computed = request.num_computed_tokens
         full = self._block_keys(request, state, computed) if self.enable_prefix_caching else 0
-        for kind, pool in self.pools.items():
+        for kind, group in self.groups.items():
             table = state.tables[kind]
             if self.enable_prefix_caching:
                 for index in range(state.num_registered[kind], full):
                     if table[index] != NULL_BLOCK:
-                        pool.register(table[index], state.keys[index])
+                        group.index.register(table[index], state.keys[index])
                 state.num_registered[kind] = full
             # Blocks before the window start are null up to where the last release stopped,
             # so only the newly passed ones are visited (oldest first, as they left the window).
@@ -234,8 +194,13 @@ class KVCacheManager:
             while start > 0 and table[start - 1] != NULL_BLOCK:
                 start -= 1
             for index in range(start, end):
-                pool.release(table[index])
+                group.pool.release(table[index])
                 table[index] = NULL_BLOCK
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests, unshared)."""
+        for group in self.groups.values():
+            group.index.clear()
 
     def free(self, request: Request) -> None:
         """Give back every block; cached ones stay reusable until evicted."""
@@ -245,7 +210,7 @@ class KVCacheManager:
         for kind, table in state.tables.items():
             # Tail blocks first, so the prefix's head (most shareable) is evicted last.
             for block in reversed(table):
-                self.pools[kind].release(block)
+                self.groups[kind].pool.release(block)
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> int:
         """Let `child` share the parent's KV for up to its first `num_tokens` tokens.
@@ -261,7 +226,8 @@ class KVCacheManager:
                     self.window_start_block(SLIDING, num_blocks * self.block_size):num_blocks]:
                 num_blocks -= 1
         state = self._state(child)
-        for kind, pool in self.pools.items():
+        for kind, group in self.groups.items():
+            pool = group.pool
             start = self.window_start_block(kind, num_blocks * self.block_size)
             shared = [NULL_BLOCK] * start + source.tables[kind][start:num_blocks]
             for block in shared:
@@ -281,6 +247,6 @@ class KVCacheManager:
 
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached but unreferenced blocks count as free)."""
-        used = sum(pool.num_used for pool in self.pools.values())
-        total = sum(pool.num_blocks - 1 for pool in self.pools.values())
+        used = sum(group.pool.num_used for group in self.groups.values())
+        total = sum(group.pool.num_blocks - 1 for group in self.groups.values())
         return used / total

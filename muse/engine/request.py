@@ -82,6 +82,9 @@ class Request:
     # Images, video and audio of the prompt (`muse.multimodal.processor.ProcessedMedia`):
     # `prompt_token_ids` are the processor's expanded ids, each item's spans in them.
     media: list = field(default_factory=list)
+    # Separates this request's prefix-cache entries from those of other salts (vLLM's
+    # `cache_salt`: tenants that must not share cached prompts).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

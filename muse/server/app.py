@@ -214,6 +214,12 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
             raise APIError(400, f"token ids out of range: {bad[:5]}", param="tokens")
         return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        require_engine()
+        client.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health():
         if client.healthy:

@@ -41,7 +41,7 @@ async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client
                           tokenizer, options: ServerOptions, metrics: ServerMetrics,
                           request_id: str, state: GenerationState):
     updates = generate(client, tokenizer, request_id, plan.prompt_token_ids, plan.params,
-                       metrics, state, CHAT_HIDDEN_TOKEN_IDS, plan.media)
+                       metrics, state, CHAT_HIDDEN_TOKEN_IDS, plan.media, request.cache_salt)
     _, updates = await first_then_rest(updates)
     parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.tools,
                                 plan.thinking) for _ in range(plan.params.n)]

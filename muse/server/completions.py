@@ -42,7 +42,7 @@ async def completion(request: CompletionRequest, prompts: list[list[int]],
         if request.echo and request.logprobs is not None:
             sampling.prompt_logprobs = request.logprobs
         updates = generate(client, tokenizer, f"{request_id}-{p}", prompt, sampling, metrics,
-                           states[p])
+                           states[p], cache_salt=request.cache_salt)
         streams.append((await first_then_rest(updates))[1])
     head = {"id": request_id, "created": now(), "model": options.served_model_name}
     echo_texts = [tokenizer.decode(p, skip_special_tokens=True) if request.echo else ""

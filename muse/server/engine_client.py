@@ -31,6 +31,7 @@ from muse.server.messages import (
     FromEngine,
     MediaArray,
     RequestFailed,
+    ResetPrefixCache,
     SampleDelta,
     Shutdown,
 )
@@ -104,10 +105,16 @@ class EngineClient:
     def _submit(self, command) -> None:
         raise NotImplementedError
 
+    def reset_prefix_cache(self) -> None:
+        """Clear the engine's prefix cache before any request submitted after this call."""
+        self._submit(ResetPrefixCache())
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       media: list[MediaArray] | None = None) -> AsyncIterator[SampleDelta]:
+                       media: list[MediaArray] | None = None, cache_salt: str | None = None
+                       ) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample of one request until all are finished. `media`: the
-        decoded media of the prompt's placeholders, in order.
+        decoded media of the prompt's placeholders, in order; `cache_salt`: see
+        `Engine.add_request`.
 
         Leaving early (a client that went away) aborts the request in the engine.
         """
@@ -118,7 +125,8 @@ class EngineClient:
         unfinished = set(range(params.n))
         self.num_samples += params.n
         try:
-            self._submit(AddRequest(request_id, prompt_token_ids, params, media or []))
+            self._submit(AddRequest(request_id, prompt_token_ids, params, media or [],
+                                    cache_salt))
             while unfinished:
                 message = await target.get()
                 if isinstance(message, EngineDead):

@@ -21,6 +21,7 @@ from muse.server.messages import (
     EngineReady,
     EngineStats,
     RequestFailed,
+    ResetPrefixCache,
     SampleDelta,
     Shutdown,
     multi_modal_data,
@@ -81,15 +82,14 @@ class EngineLoop:
             for sample in self.engine.requests.get(command.request_id, []):
                 self.reported.pop(sample.request_id, None)
             self.engine.abort(command.request_id)
+        elif isinstance(command, ResetPrefixCache):
+            self.engine.reset_prefix_cache()
         return []
 
     def _add(self, command: AddRequest) -> None:
-        if not command.media:
-            self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                    command.params)
-            return
+        media = multi_modal_data(command.media) if command.media else None
         self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                multi_modal_data(command.media))
+                                media, command.cache_salt)
 
     @staticmethod
     def _failure(request_id: str, error: InvalidRequestError) -> RequestFailed:

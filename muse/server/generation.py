@@ -39,7 +39,8 @@ class GenerationState:
 async def generate(client: EngineClient, tokenizer, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, metrics: ServerMetrics, state: GenerationState,
                    hidden_token_ids: frozenset[int] | None = None,
-                   media: list[MediaArray] | None = None) -> AsyncIterator[SampleUpdate]:
+                   media: list[MediaArray] | None = None,
+                   cache_salt: str | None = None) -> AsyncIterator[SampleUpdate]:
     """Updates of every sample until all finish; stop strings end a sample early.
 
     A generation left unfinished marks `state.outcome` "abort" (the client left) or "error";
@@ -51,7 +52,7 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                     for i in range(params.n)}
     unfinished = set(range(params.n))
     status = "abort"
-    deltas = client.generate(request_id, prompt_token_ids, params, media)
+    deltas = client.generate(request_id, prompt_token_ids, params, media, cache_salt)
     try:
         async for delta in deltas:
             metrics.generation_tokens.inc(len(delta.token_ids))

@@ -84,6 +84,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     # Decoded media of a chat request, in the order of its placeholders per kind.
     media: list[MediaArray] = []
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -91,6 +92,10 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
     pass
 
 
@@ -150,5 +155,5 @@ class EngineDead(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown
+ToEngine = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
 FromEngine = list[SampleDelta | RequestFailed | EngineStats | EngineReady | EngineDead]

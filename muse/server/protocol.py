@@ -79,6 +79,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Optional[str] = None
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         default_temperature: float = 1.0) -> SamplingParams:

@@ -9,7 +9,8 @@ import torch
 from muse import SamplingParams
 from muse.config import FULL, SLIDING
 from muse.engine.kv_budget import block_bytes
-from muse.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager
+from muse.engine.block_pool import NULL_BLOCK, BlockPool
+from muse.engine.kv_cache import KVCacheGroup, KVCacheManager
 from muse.engine.request import Request, RequestStatus
 from muse.presets import get_preset
 from tests.engine.helpers import (assert_greedy_is_well_defined, assert_same_outputs,
@@ -34,9 +35,10 @@ def prefill(manager: KVCacheManager, request: Request) -> int:
     return cached
 
 
-def keep_only_cached(pool: BlockPool, keys: list) -> None:
-    """Evict every cached free block of `pool` except those holding `keys`."""
-    kept = [pool.lookup(key) for key in keys]
+def keep_only_cached(group: KVCacheGroup, keys: list) -> None:
+    """Evict every cached free block of `group` except those holding `keys`."""
+    pool = group.pool
+    kept = [group.index.lookup(key) for key in keys]
     assert None not in kept
     for block in kept:
         pool.acquire(block)
@@ -55,8 +57,8 @@ def cached_after_eviction(window, keep_sliding=range(8), keep_global=range(8), p
     assert len(keys) == 8
     manager.free(donor)
     if SLIDING in kinds:
-        keep_only_cached(manager.pools[SLIDING], [keys[b] for b in keep_sliding])
-    keep_only_cached(manager.pools[FULL], [keys[b] for b in keep_global])
+        keep_only_cached(manager.groups[SLIDING], [keys[b] for b in keep_sliding])
+    keep_only_cached(manager.groups[FULL], [keys[b] for b in keep_global])
     request = make_request(prompt)
     return manager, request, keys, manager.find_cached_prefix(request)
 
@@ -68,7 +70,8 @@ def assert_all_released(kv_cache: KVCacheManager) -> None:
         assert pool.num_used == 0, kind
         assert not any(pool.ref_counts), kind
         assert sorted(pool.free) == list(range(1, pool.num_blocks)), kind
-        assert all(pool.keys[block] == key for key, block in pool.cached.items()), kind
+        index = kv_cache.groups[kind].index
+        assert all(index.keys[block] == key for key, block in index.blocks.items()), kind
 
 
 def assert_consistent(kv_cache: KVCacheManager) -> None:
@@ -165,8 +168,9 @@ def test_allocation_after_a_hit_reuses_exactly_the_needed_blocks():
     manager, request, keys, cached = cached_after_eviction(8, keep_sliding=range(6))
     assert cached == 24
     sliding, full = manager.pools[SLIDING], manager.pools[FULL]
-    cached_sliding = [sliding.lookup(keys[b]) for b in (4, 5)]
-    cached_full = [full.lookup(keys[b]) for b in range(6)]
+    sliding_index = manager.groups[SLIDING].index
+    cached_sliding = [sliding_index.lookup(keys[b]) for b in (4, 5)]
+    cached_full = [manager.groups[FULL].index.lookup(keys[b]) for b in range(6)]
     assert manager.allocate(request, request.num_tokens - cached, cached)
     tables = manager.block_tables(request)
     # The query at 24 sees 17..24: sliding blocks before 4 are not needed and stay null.
@@ -182,50 +186,54 @@ def test_allocation_after_a_hit_reuses_exactly_the_needed_blocks():
     assert manager.num_held_blocks(request, SLIDING) == 5
     assert manager.num_held_blocks(request, FULL) == 9
     # Evicted blocks were not revived: their keys are still unknown.
-    assert sliding.lookup(keys[6]) is None and sliding.lookup(keys[7]) is None
+    assert sliding_index.lookup(keys[6]) is None and sliding_index.lookup(keys[7]) is None
     request.num_computed_tokens = request.num_tokens
     manager.on_computed(request)
     assert_consistent(manager)
     # The new computation re-registers the blocks the sliding pool had lost.
-    assert sliding.lookup(keys[7]) is not None
+    assert sliding_index.lookup(keys[7]) is not None
     manager.free(request)
     assert_all_released(manager)
 
 
 # ---- the free list and eviction --------------------------------------------------------------
 def test_free_list_order_is_release_order_and_allocation_evicts():
-    pool = BlockPool(6)
+    group = KVCacheGroup(FULL, 6)
+    pool, index = group.pool, group.index
     a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
     assert (a, b, c) == (1, 2, 3)
-    pool.register(a, ("key", "a"))
-    pool.register(b, ("key", "b"))
+    key_a, key_b = b"a" * 32, b"b" * 32
+    assert index.register(a, key_a) and index.register(b, key_b)
+    assert not index.register(c, key_a)  # a duplicate stays private
     assert pool.num_used == 3 and pool.num_free == 2
     pool.release(b)
     pool.release(a)
     pool.release(c)  # uncached
     # Cached free blocks count as free: nobody holds them.
     assert pool.num_used == 0 and pool.num_free == 5
-    assert pool.lookup(("key", "a")) == a and pool.lookup(("key", "b")) == b
+    assert index.lookup(key_a) == a and index.lookup(key_b) == b
     # Never used blocks go first, then released ones, oldest release first.
     assert [pool.allocate(), pool.allocate()] == [4, 5]
-    assert pool.lookup(("key", "b")) == b
+    assert index.lookup(key_b) == b
     assert pool.allocate() == b
-    assert pool.lookup(("key", "b")) is None and pool.keys[b] is None
-    assert pool.lookup(("key", "a")) == a
+    assert index.lookup(key_b) is None and b not in index.keys
+    assert index.lookup(key_a) == a
     assert pool.allocate() == a
-    assert pool.lookup(("key", "a")) is None and pool.cached == {}
+    assert index.lookup(key_a) is None and len(index) == 0
     assert pool.allocate() == c
     assert pool.num_free == 0
 
 
 def test_reviving_a_cached_block_makes_it_most_recently_used():
-    pool = BlockPool(4)
+    group = KVCacheGroup(FULL, 4)
+    pool, index = group.pool, group.index
     blocks = [pool.allocate() for _ in range(3)]
-    for index, block in enumerate(blocks):
-        pool.register(block, ("key", index))
+    keys = [bytes([n]) * 32 for n in range(3)]
+    for block, key in zip(blocks, keys):
+        index.register(block, key)
     for block in blocks:
         pool.release(block)
-    pool.acquire(pool.lookup(("key", 0)))
+    pool.acquire(index.lookup(keys[0]))
     assert pool.ref_counts[blocks[0]] == 1 and blocks[0] not in pool.free
     pool.acquire(blocks[0])  # a second holder
     pool.release(blocks[0])
@@ -233,8 +241,8 @@ def test_reviving_a_cached_block_makes_it_most_recently_used():
     pool.release(blocks[0])
     assert list(pool.free) == [blocks[1], blocks[2], blocks[0]]
     assert pool.allocate() == blocks[1]
-    assert pool.lookup(("key", 1)) is None
-    assert pool.lookup(("key", 0)) == blocks[0]
+    assert index.lookup(keys[1]) is None
+    assert index.lookup(keys[0]) == blocks[0]
 
 
 def test_a_pool_needs_two_blocks():
@@ -250,13 +258,13 @@ def test_freeing_a_request_evicts_its_tail_first():
     prefill(manager, first)
     keys = list(manager.requests[first.request_id].keys)
     manager.free(first)
-    pool = manager.pools[FULL]
-    assert [pool.lookup(key) is not None for key in keys] == [True, True, True]
+    pool, index = manager.groups[FULL].pool, manager.groups[FULL].index
+    assert [index.lookup(key) is not None for key in keys] == [True, True, True]
     # Two allocations evict the partial (uncached) block, then the last full block.
     pool.release(pool.allocate())
-    assert [pool.lookup(key) is not None for key in keys] == [True, True, True]
+    assert [index.lookup(key) is not None for key in keys] == [True, True, True]
     pool.allocate()
-    assert [pool.lookup(key) is not None for key in keys] == [True, True, False]
+    assert [index.lookup(key) is not None for key in keys] == [True, True, False]
     assert manager.find_cached_prefix(make_request(prompt)) == 8
 
 
@@ -270,11 +278,11 @@ def test_concurrent_duplicates_keep_the_first_copy_cached():
         request.num_computed_tokens = request.num_tokens
         manager.on_computed(request)
     keys = manager.requests[first.request_id].keys
-    full = manager.pools[FULL]
+    full = manager.groups[FULL].index
     first_table = list(manager.block_tables(first)[FULL])
     second_table = list(manager.block_tables(second)[FULL])
     assert [full.lookup(key) for key in keys] == first_table[:8]
-    assert all(full.keys[block] is None for block in second_table)
+    assert all(block not in full.keys for block in second_table)
     manager.free(first)
     manager.free(second)
     assert_all_released(manager)
@@ -315,7 +323,7 @@ def test_every_block_is_released_after_generate():
     assert [len(o.outputs) for o in outputs] == [1, 3, 1, 1, 2, 1]
     assert [len(c.token_ids) for o in outputs for c in o.outputs] == [9, 7, 7, 7, 1, 12, 5, 5, 3]
     kv_cache = llm.engine.kv_cache
-    assert any(pool.cached for pool in kv_cache.pools.values())
+    assert any(group.index for group in kv_cache.groups.values())
     assert_all_released(kv_cache)
     assert not llm.engine.has_unfinished()
 

@@ -14,7 +14,8 @@ from muse import SamplingParams
 from muse.config import FULL, SLIDING
 from muse.engine.executor import Executor, UniExecutor
 from muse.engine.kv_budget import block_bytes
-from muse.engine.kv_cache import NULL_BLOCK, KVCacheManager, window_start_block
+from muse.engine.block_pool import NULL_BLOCK
+from muse.engine.kv_cache import KVCacheManager, window_start_block
 from muse.engine.metadata import BatchEntry, HostBatch, build_host_batch, scheduled_entries
 from muse.engine.request import Request, RequestStatus
 from muse.engine.runner import ModelRunner

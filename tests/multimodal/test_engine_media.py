@@ -121,9 +121,6 @@ def test_prefix_cache_keys_include_the_media(llm, oracle):
     again = run(image(10))
     assert again.num_cached_tokens == 48
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    cached = llm.engine.kv_cache.pools
-    keys = [key for pool in cached.values() for key in pool.cached]
-    assert any(len(key) == 3 for key in keys)  # blocks holding image tokens name the image
 
 
 def test_text_requests_are_unaffected(llm, oracle):

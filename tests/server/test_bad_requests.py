@@ -68,6 +68,8 @@ BAD_REQUESTS = [
      ANY),
     ("completion-max-tokens-over-context", COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN),
      400, "max_tokens"),
+    ("cache-salt-empty", CHAT, chat(cache_salt=""), 400, "cache_salt"),
+    ("cache-salt-number", COMPLETIONS, completion(cache_salt=7), 400, "cache_salt"),
     ("unknown-model", CHAT, chat(model="gpt-17"), 404, "model"),
     ("unknown-model-completions", COMPLETIONS, completion(model="gpt-17"), 404, "model"),
     ("bad-json", CHAT, b'{"model": "muse-spark-tiny", "messages": [', 400, None),

@@ -629,6 +629,24 @@ def test_metrics_count_refused_requests(server, client):
     assert grew("http_400") == 1 and grew("http_404") == 2
 
 
+def test_cache_salt_separates_prefixes_and_reset_clears_them(server, client):
+    prompt = f"{uuid.uuid4().hex} " + " ".join(f"item {i}," for i in range(150))
+
+    def cached_tokens(**fields) -> int:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                          extra_body=fields or None)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens(cache_salt="tenant-a") == 0
+    assert cached_tokens(cache_salt="tenant-b") == 0  # another tenant: no hit
+    assert cached_tokens() == 0  # no salt is its own tenant
+    assert cached_tokens(cache_salt="tenant-a") > 0
+    with server.http() as http:
+        assert http.post("/reset_prefix_cache").status_code == 200
+    assert cached_tokens(cache_salt="tenant-a") == 0
+    assert cached_tokens(cache_salt="tenant-a") > 0
+
+
 def test_prefix_cache_hits_on_a_repeated_prompt(server, client):
     # A fresh prefix (so the first request misses) a few hundred tokens long.
     prompt = f"{uuid.uuid4().hex} " + " ".join(f"item {i}," for i in range(150))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import re
 
 import pytest
 
 from muse.eval.schema import schema_errors
+from muse.eval.unseen_tools import held_out_cases
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import unseen_tools
 from muse.train.data.split import HELD_OUT, SPLITS, TRAIN, split_items
@@ -131,17 +134,108 @@ def test_unknown_kind_names_the_allowed_ones() -> None:
         sample_case(random.Random(0), TRAIN, "guess")
 
 
-def test_the_reasoning_repeats_the_request_before_naming_the_tool() -> None:
+def test_the_reasoning_repeats_the_request_and_lists_the_offered_tools_before_deciding() -> None:
     rng = random.Random(21)
     for kind in KINDS:
-        for _ in range(20):
+        for _ in range(40):
             case = sample_case(rng, TRAIN, kind)
             user, reply = exchange(case)[:2]
             action = case.requested.action
             assert action in user["content"]
-            assert reply["reasoning_content"].startswith(f"The user asks to {action}.")
-            if case.tool is not None:
-                assert reply["reasoning_content"].endswith(f"I should call {case.tool.name}.")
+            names = [tool.name for tool in case.offered]
+            listed = f"The tool is {names[0]}." if len(names) == 1 else \
+                f"The tools are {', '.join(names[:-1])} and {names[-1]}."
+            decision = f"I should call {case.tool.name}." if case.tool is not None else \
+                f"It cannot {action}." if len(names) == 1 else f"None of them can {action}."
+            assert reply["reasoning_content"] == \
+                f"The user asks to {action}. {listed} {decision}"
+
+
+def test_the_reasoning_of_hand_made_cases() -> None:
+    first, second, wanted = (unseen_tools.random_tool(random.Random(seed), HELD_OUT)
+                             for seed in (1, 2, 3))
+    choose = unseen_tools.UnseenToolCase("choose", "", (first, second), second, {}, {}, "")
+    assert unseen_tools.reasoning(choose) == (
+        f"The user asks to {second.action}. The tools are {first.name} and {second.name}. "
+        f"I should call {second.name}.")
+    lone = unseen_tools.UnseenToolCase("no_tool", "", (first,), wanted, {}, None, "")
+    assert unseen_tools.reasoning(lone) == (
+        f"The user asks to {wanted.action}. The tool is {first.name}. "
+        f"It cannot {wanted.action}.")
+
+
+# Held-out cases from before training requests were composed from parts: the evaluation's
+# cases must not change when training phrasings do.
+HELD_OUT_REQUESTS = {
+    0: ("no_tool", "Go ahead and score the primary garden (budget = 633.33).",
+        ["update_contract", "update_pending_garden", "fetch_license"]),
+    1: ("call", "Go ahead and count the pending kiosk (batch = XGP-485 and count = 540.29).",
+        ["count_pending_kiosk"]),
+    2: ("no_tool", "Go ahead and check the remote vault (a channel of monthly and a batch of "
+        "morning).", ["fetch_remote_voucher", "summarize_aquarium", "verify_vault"]),
+}
+HELD_OUT_DIGEST = "f0432ae18cc3a8bb22bccc82e50380b90647f98b0cefd2faa0dcb5c4fc57160a"
+EVAL_CASES_DIGEST = "0ac622a4fcf12ce85a7e2abcdd0cfcfb0c08b2f0538450af43d76784bf16279f"
+
+
+def _digest(cases) -> str:
+    return hashlib.sha256(repr(cases).encode()).hexdigest()
+
+
+def test_held_out_cases_are_the_same_as_before_composed_requests() -> None:
+    for seed, (kind, request, offered) in HELD_OUT_REQUESTS.items():
+        case = sample_case(random.Random(seed), HELD_OUT)
+        assert (case.kind, case.request, [tool.name for tool in case.offered]) == (
+            kind, request, offered)
+    assert _digest([sample_case(random.Random(seed), HELD_OUT) for seed in range(100)]) == \
+        HELD_OUT_DIGEST
+    assert _digest(held_out_cases(0, 60)) == EVAL_CASES_DIGEST
+
+
+def test_training_requests_take_many_shapes() -> None:
+    cases = _cases(13, 2000)
+    prefixes = {case.request[:case.request.index(case.requested.action)] for case in cases}
+    assert len(prefixes) >= 150
+    templated = sum(any(re.fullmatch(re.escape(template).replace(
+        re.escape("{action}"), re.escape(case.requested.action)).replace(
+        re.escape("{arguments}"), ".+"), case.request)
+        for template in split_items(unseen_tools.REQUEST_TEMPLATES, TRAIN)) for case in cases)
+    assert 0.35 < templated / len(cases) < 0.65
+
+
+def _held_out_texts() -> list[tuple[str, str]]:
+    """Each held-out template's text before `{action}` and between it and `{arguments}`."""
+    texts = []
+    for template in split_items(unseen_tools.REQUEST_TEMPLATES, HELD_OUT):
+        before, after = template.split("{action}")
+        texts.append((before.strip().lower(), after.split("{arguments}")[0]))
+    return texts
+
+
+def test_training_requests_hold_no_held_out_phrasing() -> None:
+    texts = _held_out_texts()
+    assert ("go ahead and", " (") in texts
+    rng = random.Random(17)
+    composed = [unseen_tools.composed_request(rng, "scan the locker", "code 5")
+                for _ in range(3000)]
+    requests = [(case.request, case.requested.action) for case in _cases(19, 2000)]
+    for request, action in [*requests, *((text, "scan the locker") for text in composed)]:
+        for before, after in texts:
+            assert before not in request.lower(), request
+            assert f"{action}{after}" not in request, request
+    # Every part of a composed request is drawn in some request above.
+    parts = unseen_tools.LEAD_INS + unseen_tools.QUESTION_LEAD_INS + unseen_tools.OPENERS
+    assert all(any(part.split("{")[0].lower() in text.lower() for text in composed)
+               for part in parts)
+
+
+def test_composed_requests_keep_the_action_verbatim_and_the_arguments() -> None:
+    rng = random.Random(23)
+    for _ in range(500):
+        request = unseen_tools.composed_request(rng, "zap the quorn", "a code of 7")
+        assert "zap the quorn" in request and "a code of 7" in request
+        assert request[-1] in ".?!" and "{" not in request
+        assert "  " not in request
 
 
 def test_training_names_are_spelled_with_every_letter_and_common_words() -> None:

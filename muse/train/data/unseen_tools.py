@@ -13,16 +13,26 @@ as written in the call, so the call is copied, never guessed. Three kinds of cas
   without calling anything.
 
 Vocabularies and phrasings are split by `split.split_items`: held-out cases use verbs,
-nouns, qualifiers, argument words and phrasings that training never shows. A vocabulary of a
-few dozen words would be learnt by heart, and a model that knows the names never needs to
-read them from the schema: so training also draws most words from elsewhere, a share
-(MADE_UP_SHARE) made-up words of one to three syllables that may start with any letter, from
-a space of millions, and a share (COMMON_WORD_SHARE) everyday words of the Python standard
-library (`muse/assets/tool_words.txt`, without the held-out words), so that names are spelled
-with every letter and every kind of word piece the tokenizer makes; it also gives the first version's
-tool names (`get_weather`, ...) made-up argument names, so that what a name is called is
-always read from the offered schema and the request. Messages have the
-shape of `tools.exchange`, so the chat template renders them and the tool list goes to
+nouns, qualifiers, argument words and phrasings that training never shows. A dozen training
+phrasings would teach where the action starts in each of them, and a held-out phrasing then
+gets its own words copied as the action ("The user asks to ahead and ..."): so training builds
+half its requests from parts (`composed_request`: an optional opener, one of many lead-ins or
+none, the action, an argument introducer, the argument phrases, an ending and an optional
+closer), hundreds of shapes, none holding a held-out phrasing's text around the action.
+
+A vocabulary of a few dozen words would be learnt by heart, and a model that knows the names
+never needs to read them from the schema: so training also draws most words from elsewhere, a
+share (MADE_UP_SHARE) made-up words of one to three syllables that may start with any letter,
+from a space of millions, and a share (COMMON_WORD_SHARE) everyday words of the Python
+standard library (`muse/assets/tool_words.txt`, without the held-out words), so that names are
+spelled with every letter and every kind of word piece the tokenizer makes; it also gives the
+first version's tool names (`get_weather`, ...) made-up argument names, so that what a name is
+called is always read from the offered schema and the request.
+
+The assistant's reasoning repeats the action, lists the offered tools' names in order and then
+names the one it calls, or says that none of them can do the action: the decision compares
+names written right before it instead of recalling a name that fits the request. Messages have
+the shape of `tools.exchange`, so the chat template renders them and the tool list goes to
 `tools=` as `offered_schemas(case)`.
 """
 
@@ -107,6 +117,66 @@ REQUEST_TEMPLATES = (
     "Please {action} now, {arguments}.",
     "Can we {action} with {arguments}, please?",
 )
+# Training requests built from parts rather than from REQUEST_TEMPLATES (see `composed_request`).
+COMPOSED_REQUEST_SHARE = 0.5
+OPENER_SHARE = 0.5
+CLOSER_SHARE = 0.3
+# Of composed requests: a bare imperative ("Okay, scan the locker ..."), or a question.
+IMPERATIVE_SHARE = 0.2
+QUESTION_SHARE = 0.3
+# No part holds a held-out template's text around `{action}` ("Go ahead and ", "I need you
+# to ", "Let's ", or ": ", " (", ". Set " right after it), so held-out phrasings stay unseen.
+# An opener that ends a sentence makes the next word a capital; the others run into it.
+OPENERS = ("Hi.", "Hello!", "Hey there.", "Good morning.", "Hi {person}.", "Hello {person}!",
+           "One more thing.", "New task.", "Next task.", "Sorry to bother you.",
+           "I have a task for you.", "Here is another one.", "Quick favor.", "Morning!",
+           "Thanks for earlier.")
+RUN_ON_OPENERS = ("Okay,", "Ok so", "Right,", "Alright,", "So,", "Hey,", "Hey {person},",
+                  "{person},", "Quick question:", "Next up:", "One more:", "Also,", "Now,",
+                  "Oh, and", "By the way,", "Hmm,", "Well,", "Actually,", "Task:", "Request:",
+                  "To do:", "Heads up:", "Listen,", "Real quick,")
+LEAD_INS = ("please", "now please", "just", "please just", "kindly", "I want you to",
+            "I'd like you to", "I would like you to", "I want to", "I'd love for you to",
+            "I'm asking you to", "I am hoping you will", "we should", "we have to", "we must",
+            "you should", "you can now", "your job is to", "your task is to",
+            "the task is to", "the plan is to", "the next step is to", "it is time to",
+            "it would help to", "remember to", "make sure to", "be sure to",
+            "don't forget to", "try and", "please try to", "do me a favor and",
+            "be a dear and", "take a moment and", "just go and", "please go and",
+            "kindly go and", "hurry and", "first, please", "right now, please",
+            "when you get a chance, please", "if you can, please", "for me, please",
+            "as a favor, please", "I'd appreciate it if you would", "it'd be great if you would",
+            "I was hoping you'd", "help me", "the goal is to", "when you can,", "if possible,",
+            "first,", "next,", "this time,", "I want to ask you to", "the user wants to",
+            "my plan is to", "we want to", "you need to")
+QUESTION_LEAD_INS = ("can you", "could you", "would you", "will you", "can you please",
+                     "could you please", "would you please", "would you be able to",
+                     "are you able to", "is it possible to", "would it be possible to",
+                     "any chance you could", "could I ask you to", "can I get you to",
+                     "could you kindly", "can you quickly", "could you go and",
+                     "can you try to", "would you kindly", "do you think you could",
+                     "is there a way to", "could we", "can we", "please, could you",
+                     "mind helping me")
+# `{end}` closes the sentence of the action: after the arguments, or before a second sentence
+# that gives them.
+ARGUMENT_INTRODUCERS = (
+    " with {arguments}{end}", ", with {arguments}{end}", " using {arguments}{end}",
+    ", using {arguments}{end}", " given {arguments}{end}", " based on {arguments}{end}",
+    " - {arguments}{end}", ", {arguments}{end}", "; {arguments}{end}", "; use {arguments}{end}",
+    "; set {arguments}{end}", "; the values are {arguments}{end}", ", where {arguments}{end}",
+    " [{arguments}]{end}", " by setting {arguments}{end}", " and set {arguments}{end}",
+    " and use {arguments}{end}", ", passing {arguments}{end}",
+    " with these values: {arguments}{end}", " where the values are {arguments}{end}",
+    ", setting {arguments}{end}", "{end} Use {arguments}.", "{end} The values are {arguments}.",
+    "{end} Please set {arguments}.", "{end} Arguments: {arguments}.",
+    "{end} Values: {arguments}.", "{end} Details: {arguments}.",
+    "{end} Settings are {arguments}.", "{end} Go with {arguments}.",
+    "{end} Take {arguments}.", "{end} I want {arguments}.")
+ENDINGS = (".", ".", ".", "!", ", please.", " please.", ", thanks.")
+QUESTION_ENDINGS = ("?", "?", ", please?", " for me?")
+CLOSERS = (" Thanks.", " Thank you!", " Cheers.", " Much appreciated.", " Thanks in advance.",
+           " Appreciate it.", " Many thanks.", " That's all.", " Thanks, {person}.")
+
 # `{name}` is the argument's name as written or with spaces for underscores.
 ARGUMENT_TEMPLATES = (
     "{name} {value}",
@@ -325,8 +395,34 @@ def _request(rng: random.Random, split: str, tool: Tool, arguments: dict[str, An
         phrases.append(rng.choice(split_items(ARGUMENT_TEMPLATES, split)).format(
             name=written, value=spoken(value)))
     joined = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+    # Only training draws the extra number, so held-out cases stay as they always were.
+    if split == TRAIN and rng.random() < COMPOSED_REQUEST_SHARE:
+        return composed_request(rng, tool.action, joined)
     template = rng.choice(split_items(REQUEST_TEMPLATES, split))
     return template.format(action=tool.action, arguments=joined)
+
+
+def composed_request(rng: random.Random, action: str, arguments: str) -> str:
+    """A training request built from parts: "Okay, could you please {action} for me? Use
+    {arguments}." The action is kept verbatim (never capitalized) so it can be copied."""
+    person = rng.choice(PEOPLE)
+    draw = rng.random()
+    question = IMPERATIVE_SHARE <= draw < IMPERATIVE_SHARE + QUESTION_SHARE
+    if draw < IMPERATIVE_SHARE:
+        # A bare imperative needs an opener that runs into it, or the action would start
+        # the request with a capital.
+        opener, lead_in = rng.choice(RUN_ON_OPENERS), ""
+    else:
+        lead_in = rng.choice(QUESTION_LEAD_INS if question else LEAD_INS)
+        opener = rng.choice(OPENERS + RUN_ON_OPENERS) if rng.random() < OPENER_SHARE else ""
+    sentence = f"{lead_in} {action}" if lead_in else action
+    if not opener or opener[-1] in ".!?":
+        sentence = _capitalized(sentence)
+    start = f"{opener.format(person=person)} {sentence}" if opener else sentence
+    end = rng.choice(QUESTION_ENDINGS if question else ENDINGS)
+    tail = rng.choice(ARGUMENT_INTRODUCERS).format(arguments=arguments, end=end)
+    closer = rng.choice(CLOSERS).format(person=person) if rng.random() < CLOSER_SHARE else ""
+    return f"{start}{tail}{closer}"
 
 
 def _result_value(rng: random.Random) -> Any:
@@ -382,21 +478,41 @@ def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
     return [tool.schema() for tool in case.offered]
 
 
+def _offered_names(tools: tuple[Tool, ...]) -> str:
+    """The offered tools' names in order: "The tools are a, b and c." or "The tool is a."."""
+    names = [tool.name for tool in tools]
+    if len(names) == 1:
+        return f"The tool is {names[0]}."
+    return f"The tools are {', '.join(names[:-1])} and {names[-1]}."
+
+
+def reasoning(case: UnseenToolCase) -> str:
+    """The assistant's reasoning before it calls a tool or declines.
+
+    It first repeats what is asked, words copied from the request, then lists the offered
+    tools' names: the decision that follows compares names written right there, instead of
+    recalling a tool that fits the request but is not offered.
+    """
+    action = case.requested.action
+    offered = f"The user asks to {action}. {_offered_names(case.offered)}"
+    if case.tool is not None:
+        return f"{offered} I should call {case.tool.name}."
+    if len(case.offered) == 1:
+        return f"{offered} It cannot {action}."
+    return f"{offered} None of them can {action}."
+
+
 def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
     """The user's request and the assistant's reply: a call, its result and the answer that
     uses it, or (for `no_tool`) a direct answer."""
     user = {"role": "user", "content": case.request}
-    # The reasoning first repeats what is asked, words copied from the request, so the tool
-    # name that follows sits right after the words it is matched on.
-    asked = f"The user asks to {case.requested.action}."
     if case.tool is None:
-        return [user, {"role": "assistant",
-                       "reasoning_content": f"{asked} No offered tool does that.",
+        return [user, {"role": "assistant", "reasoning_content": reasoning(case),
                        "content": case.answer}]
     name = case.tool.name
     return [
         user,
-        {"role": "assistant", "reasoning_content": f"{asked} I should call {name}.",
+        {"role": "assistant", "reasoning_content": reasoning(case),
          "content": "",
          "tool_calls": [{"type": "function", "function": {
              "name": name, "arguments": case.arguments}}]},
