@@ -40,6 +40,13 @@ class EngineArgs:
     # process); see muse.multimodal.encoder_workers.
     encoder_workers: int = 0
     enable_prefix_caching: bool = True
+    # The prefix cache's lower tiers (muse.engine.kv_offload): GiB of host memory per rank
+    # (SGLang's `--hicache-size`; 0: none), when blocks reach it, and a directory of files
+    # below it that outlives the process, within its own GiB budget.
+    kv_offload_gb: float = 0.0
+    kv_offload_write_policy: str = "write_through"
+    kv_offload_disk: str | None = None
+    kv_offload_disk_gb: float = 64.0
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     gpu_memory_utilization: float = 0.9
     # fp8 / fp8_e4m3: K/V stored as float8_e4m3fn with per-layer scales (the checkpoint's
@@ -148,6 +155,7 @@ class EngineArgs:
                 or self.encoder_workers < 0:
             raise ValueError("`encoder_workers` must be a non-negative integer, got "
                              f"{self.encoder_workers!r}")
+        self._validate_kv_offload()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:
@@ -185,6 +193,26 @@ class EngineArgs:
             if value != AUTO and value not in registry:
                 raise ValueError(f"`{name}` must be {AUTO!r} or one of {sorted(registry)}, "
                                  f"got {value!r}")
+
+    def _validate_kv_offload(self) -> None:
+        from muse.engine.kv_offload import WRITE_POLICIES
+
+        for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
+        if self.kv_offload_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"`kv_offload_write_policy` must be one of {list(WRITE_POLICIES)}, "
+                             f"got {self.kv_offload_write_policy!r}")
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError("`kv_offload_gb` keeps cached prefixes: it needs prefix caching")
+        if self.kv_offload_disk is not None:
+            if not self.kv_offload_gb:
+                raise ValueError("`kv_offload_disk` sits below host memory: set `kv_offload_gb` "
+                                 "too")
+            if self.data_parallel_size > 1:
+                raise ValueError("`kv_offload_disk` with `data_parallel_size` > 1 is not "
+                                 "supported yet: the replicas would share one directory")
 
     def _validate_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

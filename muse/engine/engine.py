@@ -20,7 +20,9 @@ from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compil
 from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.metadata import HostBatch
 from muse.engine.rank_memory import shared_kv_budget
+from muse.engine.host_kv_store import HostKVStore
 from muse.engine.kv_cache import KVCacheManager
+from muse.engine.kv_offload import DiskIndex, KVOffload, disk_tier_root, host_blocks, shard_name
 from muse.engine.request import Request, RequestStatus
 from muse.engine.executor import (Executor, MultiprocExecutor, UniExecutor, WorkerError,
                                   WorkerProcess, free_init_method, stop_workers)
@@ -234,6 +236,12 @@ class EngineCore:
         self.max_model_len = self._check_capacity(num_blocks)
         kv_caches = allocate_kv_caches(self.model, num_blocks, args.block_size,
                                        self.kv_cache_dtype, self.device)
+        self.block_bytes = block_bytes(self.config, args.block_size, self.kv_cache_dtype,
+                                       self.model.num_kv_heads)
+        self.host_blocks = host_blocks(int(args.kv_offload_gb * 2**30), num_blocks,
+                                       self.block_bytes) if args.kv_offload_gb else {}
+        self.disk_root = disk_tier_root(args, self.kv_cache_dtype) \
+            if args.kv_offload_disk is not None else None
         if drafter is not None:
             self.proposer.allocate(self.model, num_blocks, args.block_size,
                                    lambda request: self.kv_cache.block_tables(request),
@@ -241,11 +249,14 @@ class EngineCore:
         self.encoder_cache = EncoderCache(args.encoder_cache_bytes) \
             if self.encoders is not None else None
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             self._graphs(kv_caches), self.encoders, self.encoder_cache)
+                             self._graphs(kv_caches), self.encoders, self.encoder_cache,
+                             HostKVStore(self.model.layer_types, kv_caches, self.host_blocks,
+                                         self.disk_root, shard_name(0, 0))
+                             if self.host_blocks else None)
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
-            get_world_group().broadcast_object(num_blocks, src=0)
+            get_world_group().broadcast_object((num_blocks, self.host_blocks), src=0)
             self.executor: Executor = MultiprocExecutor(worker, worker_processes,
                                                         args.distributed_timeout_s, on_shutdown)
         else:
@@ -253,8 +264,13 @@ class EngineCore:
         self._init_scheduling()
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             self.step_costs = self._profile_step_costs()
-        sizes = block_bytes(self.config, args.block_size, self.kv_cache_dtype,
-                            self.model.num_kv_heads)
+        sizes = self.block_bytes
+        if self.host_blocks:
+            logger.info("KV offload: %s in host memory%s, %s", ", ".join(
+                f"{n * args.block_size:,} tokens of {kind} layers"
+                for kind, n in self.host_blocks.items()),
+                f", then {args.kv_offload_disk_gb:g} GiB in {self.disk_root}"
+                if self.disk_root is not None else "", args.kv_offload_write_policy)
         logger.info("KV cache: %s (%.1f MiB, %s); max_model_len %d",
                     ", ".join(f"{(n - 1) * args.block_size:,} tokens in {kind} layers"
                               for kind, n in num_blocks.items()),
@@ -292,8 +308,16 @@ class EngineCore:
         """What one data-parallel rank schedules with: its queue, the block manager of its KV
         cache, its requests."""
         args = self.args
+        offload = None
+        if self.host_blocks:
+            disk = DiskIndex(self.disk_root, self.block_bytes,
+                             int(args.kv_offload_disk_gb * 2**30)) \
+                if self.disk_root is not None else None
+            offload = KVOffload(self.host_blocks, self.block_bytes,
+                                args.kv_offload_write_policy, disk)
         self.kv_cache = KVCacheManager(args.block_size, self.num_blocks,
-                                       self.config.sliding_window, args.enable_prefix_caching)
+                                       self.config.sliding_window, args.enable_prefix_caching,
+                                       offload)
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         if self.speculative is not None:
             self.runner.rejection_sample_method = self.speculative.rejection_sample_method

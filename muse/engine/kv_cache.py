@@ -23,10 +23,13 @@ The longest P that every kind accepts wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from muse.config import SLIDING
 from muse.engine.block_pool import NULL_BLOCK, BlockPool
+from muse.engine.kv_offload import KVOffload
+from muse.engine.kv_transfers import KVTransfers
 from muse.engine.prefix_index import PrefixIndex
 from muse.engine.prefix_keys import BlockKey, block_key, first_block_extra_keys, media_extra_keys
 from muse.engine.request import Request
@@ -52,12 +55,22 @@ def window_start_block(kind: str, position: int, sliding_window: int | None,
 
 
 class KVCacheGroup:
-    """The layers of one attention kind: their block pool and its prefix index."""
+    """The layers of one attention kind: their block pool and its prefix index.
 
-    def __init__(self, kind: str, num_blocks: int) -> None:
+    `on_evict(kind, block, key)` hears of a cached prefix whose block is about to be
+    overwritten (a write-back tier saves it first)."""
+
+    def __init__(self, kind: str, num_blocks: int,
+                 on_evict: Callable[[str, int, BlockKey], None] | None = None) -> None:
         self.kind = kind
         self.index = PrefixIndex()
-        self.pool = BlockPool(num_blocks, on_reuse=self.index.forget)
+        self.on_evict = on_evict
+        self.pool = BlockPool(num_blocks, on_reuse=self._reuse)
+
+    def _reuse(self, block: int) -> None:
+        key = self.index.forget(block)
+        if key is not None and self.on_evict is not None:
+            self.on_evict(self.kind, block, key)
 
 
 @dataclass
@@ -69,11 +82,17 @@ class RequestBlocks:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: dict[str, int], sliding_window: int | None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, offload: KVOffload | None = None) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
-        self.groups = {kind: KVCacheGroup(kind, n) for kind, n in num_blocks.items()}
+        # Host memory and disk below the GPU pools (`--kv-offload-gb`), with prefix caching.
+        self.offload = offload if enable_prefix_caching else None
+        on_evict = self.offload.save if self.offload is not None \
+            and self.offload.write_back else None
+        self.groups = {kind: KVCacheGroup(kind, n, on_evict) for kind, n in num_blocks.items()}
+        # Global layers hold every block of a prefix: their loads count the lower tiers' hits.
+        self.counted_kind = next((k for k in num_blocks if k != SLIDING), next(iter(num_blocks)))
         self.requests: dict[str, RequestBlocks] = {}
         self.stats = PrefixCacheStats()
 
@@ -100,6 +119,11 @@ class KVCacheManager:
                                   extra))
         return num_tokens // self.block_size
 
+    def _cached(self, kind: str, key: BlockKey) -> bool:
+        """Whether some tier holds the prefix `key` names in layers of `kind`."""
+        return self.groups[kind].index.lookup(key) is not None or (
+            self.offload is not None and self.offload.has(kind, key))
+
     def _state(self, request: Request) -> RequestBlocks:
         if request.request_id not in self.requests:
             self.requests[request.request_id] = RequestBlocks(
@@ -116,19 +140,18 @@ class KVCacheManager:
         # Global layers: the longest run of cached blocks from the start.
         longest = self._block_keys(request, state, request.num_tokens - 1)
         keys = state.keys
-        for kind, group in self.groups.items():
+        for kind in self.groups:
             if kind == SLIDING:
                 continue
             hits = 0
-            while hits < longest and group.index.lookup(keys[hits]) is not None:
+            while hits < longest and self._cached(kind, keys[hits]):
                 hits += 1
             longest = hits
         # Sliding layers: shrink until the window before the reuse point is cached.
         if SLIDING in self.groups:
-            index = self.groups[SLIDING].index
             while longest > 0:
                 start = self.window_start_block(SLIDING, longest * self.block_size)
-                if all(index.lookup(keys[b]) is not None for b in range(start, longest)):
+                if all(self._cached(SLIDING, keys[b]) for b in range(start, longest)):
                     break
                 longest -= 1
         return longest * self.block_size
@@ -136,37 +159,60 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
 
-        Returns False, changing nothing, when a pool has too few free blocks.
+        Cached blocks in the GPU pools are shared; those only a lower tier holds get fresh
+        blocks, loaded before the step runs. Returns False, changing nothing, when a pool
+        has too few free blocks.
         """
         state = self._state(request)
         first_position = request.num_computed_tokens + num_cached_tokens
         total = first_position + num_new_tokens
         num_cached_blocks = num_cached_tokens // self.block_size
         keys = state.keys
-        plan: dict[str, tuple[list[int], int]] = {}
+        # Per kind: the table's cached part (a GPU block, or None: load it from below) and
+        # how many fresh blocks follow it.
+        plan: dict[str, tuple[list[int | None], int]] = {}
         for kind, group in self.groups.items():
             pool, table = group.pool, state.tables[kind]
-            reuse: list[int] = []
+            reuse: list[int | None] = []
             if num_cached_blocks:
                 start = self.window_start_block(kind, first_position)
                 reuse = [NULL_BLOCK] * start + [group.index.lookup(keys[b])
                                                 for b in range(start, num_cached_blocks)]
             needed = -(-total // self.block_size) - len(table) - len(reuse)
-            # Reviving cached blocks that sit in the free list also consumes free blocks.
-            revived = sum(1 for b in reuse if b != NULL_BLOCK and pool.ref_counts[b] == 0)
+            # Reviving cached blocks that sit in the free list also consumes free blocks, as
+            # does every block loaded from a lower tier.
+            revived = sum(1 for b in reuse if b is None or b != NULL_BLOCK
+                          and pool.ref_counts[b] == 0)
             if needed + revived > pool.num_free:
                 return False
             plan[kind] = (reuse, needed)
         for kind, (reuse, needed) in plan.items():
-            pool, table = self.groups[kind].pool, state.tables[kind]
-            for block in reuse:
-                if block != NULL_BLOCK:
-                    pool.acquire(block)
+            group, table = self.groups[kind], state.tables[kind]
+            for block in reuse:  # before any allocation, which could evict them
+                if block is not None and block != NULL_BLOCK:
+                    group.pool.acquire(block)
+            for index, block in enumerate(reuse):
+                if block is None:
+                    reuse[index] = self._load(group, keys[index])
             table.extend(reuse)
-            table.extend(pool.allocate() for _ in range(max(needed, 0)))
+            table.extend(group.pool.allocate() for _ in range(max(needed, 0)))
             if num_cached_blocks:
                 state.num_registered[kind] = num_cached_blocks
         return True
+
+    def _load(self, group: KVCacheGroup, key: BlockKey) -> int:
+        """A fresh block that the step's transfers fill with the prefix `key` names from a
+        lower tier; it joins the prefix index at once (the copy runs before any forward)."""
+        block = group.pool.allocate()
+        group.index.register(block, key)
+        tier = self.offload.load(group.kind, key, block)
+        if group.kind == self.counted_kind:  # each position once, whatever the kinds
+            self.offload.stats.hit_tokens[tier] += self.block_size
+        return block
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between tiers planned since the last step, for the next one."""
+        return self.offload.take() if self.offload is not None else None
 
     def record_cache_query(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens
@@ -184,8 +230,10 @@ class KVCacheManager:
             table = state.tables[kind]
             if self.enable_prefix_caching:
                 for index in range(state.num_registered[kind], full):
-                    if table[index] != NULL_BLOCK:
-                        group.index.register(table[index], state.keys[index])
+                    block = table[index]
+                    if block != NULL_BLOCK and group.index.register(block, state.keys[index]) \
+                            and self.offload is not None and not self.offload.write_back:
+                        self.offload.save(kind, block, state.keys[index])
                 state.num_registered[kind] = full
             # Blocks before the window start are null up to where the last release stopped,
             # so only the newly passed ones are visited (oldest first, as they left the window).
@@ -198,9 +246,12 @@ class KVCacheManager:
                 table[index] = NULL_BLOCK
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use stay with their requests, unshared)."""
+        """Forget every cached prefix, in every tier (blocks in use stay with their requests,
+        unshared)."""
         for group in self.groups.values():
             group.index.clear()
+        if self.offload is not None:
+            self.offload.clear()
 
     def free(self, request: Request) -> None:
         """Give back every block; cached ones stay reusable until evicted."""

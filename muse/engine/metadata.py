@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from muse.engine.kv_cache import window_start_block
+from muse.engine.kv_transfers import KVTransfers
 from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 
@@ -40,6 +41,8 @@ class HostBatch:
     # Encoder rows that replace some of the step's token embeddings
     # (`muse.multimodal.engine_inputs.MediaSlice`); a step with any runs eagerly.
     media: list = field(default_factory=list)
+    # Copies between the KV tiers made before the step (`muse.engine.kv_transfers`).
+    kv_transfers: KVTransfers | None = None
 
     @classmethod
     def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1,

@@ -170,9 +170,10 @@ class ModelRunner:
         prepared.logits_rows.extend(sample_index)
         prepared.batch = self._host_batch(scheduled)
         prepared.batch.media = media
+        prepared.batch.kv_transfers = self.kv_cache.take_transfers()
         if self.step_encoder is not None:
-            prepared.delta = self.step_encoder.encode_bytes(scheduled,
-                                                            self.kv_cache.block_tables)
+            prepared.delta = self.step_encoder.encode_bytes(
+                scheduled, self.kv_cache.block_tables, prepared.batch.kv_transfers)
         prepared.pending = self._pending_inputs(scheduled, previous)
         prepared.pending_source = previous.tokens if previous is not None else None
         if device_drafts:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from muse.engine.kv_transfers import KVTransfers
 from muse.engine.metadata import BatchEntry
 from muse.engine.request import Request
 from muse.engine.scheduler import ScheduledRequest
@@ -78,6 +79,7 @@ class CachedRequestData(msgspec.Struct, tag=1, array_like=True):
 class StepDelta(msgspec.Struct, array_like=True):
     scheduled: list[NewRequestData | CachedRequestData]  # in the batch's request order
     finished: list[str]  # ids to drop (finished, aborted, preempted), applied first
+    transfers: KVTransfers | None = None  # copies between KV tiers before the step
 
     @property
     def new(self) -> list[NewRequestData]:
@@ -152,13 +154,13 @@ class StepEncoder:
         self.kinds = list(kinds)
         self.sent: dict[str, _Sent] = {}
 
-    def encode_bytes(self, scheduled: list[ScheduledRequest], block_tables: BlockTables
-                     ) -> bytes:
+    def encode_bytes(self, scheduled: list[ScheduledRequest], block_tables: BlockTables,
+                     transfers: KVTransfers | None = None) -> bytes:
         """`encode`, as the bytes that travel."""
-        return encode_delta(self.encode(scheduled, block_tables))
+        return encode_delta(self.encode(scheduled, block_tables, transfers))
 
-    def encode(self, scheduled: list[ScheduledRequest], block_tables: BlockTables
-               ) -> StepDelta:
+    def encode(self, scheduled: list[ScheduledRequest], block_tables: BlockTables,
+               transfers: KVTransfers | None = None) -> StepDelta:
         """The step's delta; call it where the batch is built (before `num_computed_tokens`
         advances), once per step: it records what the workers will then hold."""
         items: list[NewRequestData | CachedRequestData] = []
@@ -195,7 +197,7 @@ class StepEncoder:
                         or sent.request.num_preemptions != sent.num_preemptions)]
         for request_id in finished:
             del self.sent[request_id]
-        return StepDelta(items, finished)
+        return StepDelta(items, finished, transfers)
 
 
 class RequestMirror:

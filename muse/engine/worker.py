@@ -18,6 +18,7 @@ from muse.distributed.config import RankCoordinates
 from muse.distributed.parallel_state import (get_dp_group, get_parallel_config, get_pcp_group,
                                              get_pp_group, get_world_group)
 from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.host_kv_store import HostKVStore
 from muse.engine.metadata import HostBatch
 from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import ContextParallelMetadata
@@ -35,8 +36,11 @@ class ModelWorker:
                  device: torch.device, block_size: int,
                  graphs: list[DecodeGraphs] | None = None,
                  encoders: MediaEncoders | None = None,
-                 encoder_cache: EncoderCache | None = None) -> None:
+                 encoder_cache: EncoderCache | None = None,
+                 host_store: HostKVStore | None = None) -> None:
         self.model = model
+        # This rank's host-memory (and disk) KV tiers, when the engine has them.
+        self.host_store = host_store
         # The image / audio encoders (when the model has them) and the cache of their outputs.
         self.encoders = encoders
         self.encoder_cache = encoder_cache
@@ -103,7 +107,10 @@ class ModelWorker:
                 pending: PendingInputs = ([], []),
                 previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows, on
-        the first and the last pipeline stage (None on the stages between)."""
+        the first and the last pipeline stage (None on the stages between). The step's
+        copies between KV tiers come first."""
+        if batch.kv_transfers:
+            self.host_store.apply(batch.kv_transfers)
         if get_pp_group().world_size > 1:
             # Only the first stage reads embeddings, so only it scatters the media rows.
             return self._execute_stage(batch, logits_rows)

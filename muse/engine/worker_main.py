@@ -28,12 +28,15 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
     """Run rank `rank` until the driver says stop. `device` defaults to the rank's own
     (`EngineArgs.rank_device`); a Ray actor, which sees only its own GPU, passes cuda:0."""
     from muse.distributed.parallel_state import (destroy_distributed, get_dp_group,
-                                                 get_world_group, init_distributed)
+                                                 get_parallel_config, get_world_group,
+                                                 init_distributed)
     from muse.engine.engine import load_engine_model
     from muse.engine.executor import KEEPALIVE
     from muse.engine.rank_memory import shared_kv_budget
     from muse.engine.runner import allocate_kv_caches
     from muse.engine.metadata import build_host_batch
+    from muse.engine.host_kv_store import HostKVStore
+    from muse.engine.kv_offload import disk_tier_root, shard_name
     from muse.engine.step_message import RequestMirror, decode_delta
     from muse.engine.worker import ModelWorker
     from muse.multimodal.encoder_cache import EncoderCache
@@ -49,13 +52,20 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
         # Built before the memory profile, as on the driver, so the KV budgets agree.
         encoders = worker_media_encoders(args, model_config, model, dtype, device)
         shared_kv_budget(model.eval(), args, device, dtype)
-        num_blocks = world.broadcast_object(None, src=0)
-        kv_caches = allocate_kv_caches(model, num_blocks, args.block_size,
-                                       args.resolve_kv_cache_dtype(dtype), device)
+        num_blocks, host_blocks = world.broadcast_object(None, src=0)
+        kv_dtype = args.resolve_kv_cache_dtype(dtype)
+        kv_caches = allocate_kv_caches(model, num_blocks, args.block_size, kv_dtype, device)
+        host_store = None
+        if host_blocks:
+            me = get_parallel_config().coordinates(rank)
+            host_store = HostKVStore(model.layer_types, kv_caches, host_blocks,
+                                     disk_tier_root(args, kv_dtype)
+                                     if args.kv_offload_disk is not None else None,
+                                     shard_name(me.pp, me.tp))
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size,
                              encoders=encoders,
                              encoder_cache=EncoderCache(args.encoder_cache_bytes)
-                             if encoders is not None else None)
+                             if encoders is not None else None, host_store=host_store)
         if args.calculate_kv_scales:
             model.calculate_kv_scales_on_next_step()  # from this rank's first step, as rank 0
         # This rank's data-parallel rank's requests, as the driver's deltas describe them.
@@ -72,6 +82,7 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
                 batch = build_host_batch(kinds, args.block_size, model.config.sliding_window,
                                          mirror.apply(step))
                 batch.media = mirror.step_media(step)
+                batch.kv_transfers = step.transfers
             worker.execute_data_parallel(batch, message.num_tokens, message.logits_rows)
     finally:
         destroy_distributed()

@@ -49,7 +49,36 @@ def engine_stats(engine: Engine) -> EngineStats:
         num_preemptions=sum(r.scheduler.num_preemptions for r in replicas),
         # Media runs on one rank only (encoders are not built with several), so rank 0's
         # cache is the whole story.
-        encoder_cache=replicas[0].encoder_cache_stats())
+        encoder_cache=replicas[0].encoder_cache_stats(),
+        **kv_tier_stats(replicas))
+
+
+def kv_tier_stats(replicas: list) -> dict[str, dict[str, int]]:
+    """Hits, bytes held and byte budgets of the prefix cache's tiers, summed over the
+    data-parallel ranks (a GPU block counts as held while a request holds it or it keeps a
+    cached prefix)."""
+    hits: dict[str, int] = {"gpu": 0}
+    used: dict[str, int] = {"gpu": 0}
+    capacity: dict[str, int] = {"gpu": 0}
+    for replica in replicas:
+        kv_cache, offload = replica.kv_cache, replica.kv_cache.offload
+        lower = 0
+        for kind, group in kv_cache.groups.items():
+            pool, size = group.pool, replica.block_bytes[kind]
+            cached_free = sum(1 for block in group.index.keys if pool.ref_counts[block] == 0)
+            used["gpu"] += (pool.num_used + cached_free) * size
+            capacity["gpu"] += (pool.num_blocks - 1) * size
+        if offload is not None:
+            for tier, count in offload.stats.hit_tokens.items():
+                hits[tier] = hits.get(tier, 0) + count
+                lower += count
+            for tier, count in offload.used_bytes().items():
+                used[tier] = used.get(tier, 0) + count
+            for tier, count in offload.capacity_bytes().items():
+                capacity[tier] = capacity.get(tier, 0) + count
+        hits["gpu"] += kv_cache.stats.hits - lower
+    return {"kv_tier_hit_tokens": hits, "kv_tier_used_bytes": used,
+            "kv_tier_capacity_bytes": capacity}
 
 
 class EngineLoop:

@@ -64,6 +64,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
              "shared among them (default: %(default)s: in the engine's process)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes (default: on)")
+    add("--kv-offload-gb", "--hicache-size", type=float, default=0.0,
+        help="GiB of host memory per GPU (rank) below the GPU KV cache: cached prefixes "
+             "evicted from the GPU load back from it instead of being recomputed (default: "
+             "%(default)s: none)")
+    add("--kv-offload-write-policy", "--hicache-write-policy", default="write_through",
+        choices=["write_through", "write_back"],
+        help="when full blocks reach host memory: as soon as they are computed, or when the "
+             "GPU evicts them (default: %(default)s)")
+    add("--kv-offload-disk", default=None, metavar="DIR",
+        help="a directory below host memory for prefixes it evicts, kept across restarts "
+             "(default: none)")
+    add("--kv-offload-disk-gb", type=float, default=64.0,
+        help="GiB the --kv-offload-disk directory may hold (default: %(default)s)")
     add("--block-size", type=int, default=16,
         help="tokens per KV-cache block (default: %(default)s)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -220,6 +233,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         encoder_cache_gb=args.encoder_cache_gb, encoder_workers=args.encoder_workers,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_offload_gb=args.kv_offload_gb, kv_offload_write_policy=args.kv_offload_write_policy,
+        kv_offload_disk=args.kv_offload_disk, kv_offload_disk_gb=args.kv_offload_disk_gb,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         quantization=args.quantization,

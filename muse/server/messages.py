@@ -135,6 +135,11 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # The prefix cache by tier ("gpu", and "host" / "disk" with `--kv-offload-gb`): prompt
+    # tokens served from each since start, and bytes held and allowed now.
+    kv_tier_hit_tokens: dict[str, int] = {}
+    kv_tier_used_bytes: dict[str, int] = {}
+    kv_tier_capacity_bytes: dict[str, int] = {}
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -95,6 +95,14 @@ class ServerMetrics:
             for name, text in ((METRIC_USAGE_BYTES, "Bytes of encoder outputs cached"),
                                (METRIC_CAPACITY_BYTES, "The encoder cache's byte budget"),
                                (METRIC_ENTRIES, "Encoder outputs cached"))}
+        self.kv_tier_hits = counter("muse:kv_tier_hit_tokens",
+                                    "Prompt tokens served from the prefix cache, by the tier "
+                                    "their KV came from", ["model_name", "tier"])
+        self.kv_tier_used = Gauge("muse:kv_tier_used_bytes",
+                                  "Bytes of KV held per tier (GPU: blocks in use or caching)",
+                                  ["model_name", "tier"], registry=r)
+        self.kv_tier_capacity = Gauge("muse:kv_tier_capacity_bytes", "KV bytes each tier may hold",
+                                      ["model_name", "tier"], registry=r)
         self._last = EngineStats()
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -118,6 +126,13 @@ class ServerMetrics:
                      last.encoder_cache.get(name, 0))
         for name, encoder_gauge in self.encoder_cache_gauges.items():
             encoder_gauge.set(stats.encoder_cache.get(name, 0))
+        for tier, now in stats.kv_tier_hit_tokens.items():
+            _advance(self.kv_tier_hits.labels(self.model_name, tier), now,
+                     last.kv_tier_hit_tokens.get(tier, 0))
+        for tier, value in stats.kv_tier_used_bytes.items():
+            self.kv_tier_used.labels(self.model_name, tier).set(value)
+        for tier, value in stats.kv_tier_capacity_bytes.items():
+            self.kv_tier_capacity.labels(self.model_name, tier).set(value)
         previous = last.spec_accepted_per_position
         for position, now in enumerate(stats.spec_accepted_per_position):
             _advance(self.spec_accepted_per_position.labels(self.model_name, str(position)),

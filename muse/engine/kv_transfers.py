@@ -1,0 +1,31 @@
+"""The KV block copies a step makes between tiers before its forward pass.
+
+The scheduler side (`kv_offload.KVOffload`) plans them; every worker rank makes them on its
+own shard of the KV (`host_kv_store.HostKVStore`), in this order, so each copy reads what
+the ones before it left:
+
+1. `disk_saves`: host slots whose prefix leaves host memory, written to files;
+2. `saves`: GPU blocks written to host slots (written through when computed, or written
+   back as the GPU pool reuses them);
+3. `loads`: host slots read into freshly allocated GPU blocks (a prefix hit in host memory);
+4. `disk_loads`: files read into freshly allocated GPU blocks (a prefix hit on disk);
+5. `disk_drops`: files deleted (the disk tier's least recently used prefixes).
+
+Then the forward pass may overwrite the GPU blocks the saves read.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True):
+    disk_saves: list[tuple[str, int, str]] = []  # (kind, host slot, key hex)
+    saves: list[tuple[str, int, int]] = []  # (kind, GPU block, host slot)
+    loads: list[tuple[str, int, int]] = []  # (kind, host slot, GPU block)
+    disk_loads: list[tuple[str, str, int]] = []  # (kind, key hex, GPU block)
+    disk_drops: list[tuple[str, str]] = []  # (kind, key hex)
+
+    def __bool__(self) -> bool:
+        return bool(self.disk_saves or self.saves or self.disk_loads or self.loads
+                    or self.disk_drops)
