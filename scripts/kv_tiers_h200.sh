@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The KV-tier run of docs/performance.md: an agentic replay (128 sessions at once) on
+# muse-spark-15b-a2b (random bf16 weights), one GPU, three servers in turn:
+#   unbounded  the default KV budget, which holds the whole working set (the reference hit rate)
+#   gpu-only   a GPU KV budget of KV_GB GiB, below the working set
+#   host-tier  the same budget, with --kv-offload-gb HOST_GB below it
+# Each replays the same trace with the trace's own replies (identical requests); the last
+# step prints the prefix-hit rate and TTFT p50 / p90 of each and writes kv_tiers.json.
+#
+#   scripts/kv_tiers_h200.sh OUT
+#
+# Run from the repository root with a python3 that has muse's dependencies (on a GPU image
+# without the web stack, install the wheels of scripts/fetch_server_wheels.sh first).
+# SESSIONS (default 128), KV_GB (default 2), HOST_GB (default 64), POLICY (default
+# write_through), SYSTEM_TOKENS (default 4000) and MAX_LEN (default 32768) change the run.
+set -u
+OUT=${1:?usage: scripts/kv_tiers_h200.sh OUT}
+PYTHON=${PYTHON:-python3}
+PORT=${PORT:-8000}
+MODEL=${MODEL:-muse-spark-15b-a2b}
+SESSIONS=${SESSIONS:-128}
+KV_GB=${KV_GB:-2}
+HOST_GB=${HOST_GB:-64}
+POLICY=${POLICY:-write_through}
+SYSTEM_TOKENS=${SYSTEM_TOKENS:-4000}
+MAX_LEN=${MAX_LEN:-32768}
+URL="http://127.0.0.1:$PORT"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+start_server() {  # NAME [serve flags...]
+    local name=$1; shift
+    "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" --max-model-len "$MAX_LEN" "$@" \
+        > "$OUT/server-$name.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 1 240); do
+        if "$PYTHON" -c "import urllib.request; urllib.request.urlopen('$URL/health')" \
+            2>/dev/null; then return 0; fi
+        kill -0 "$SERVER" 2>/dev/null || break
+        sleep 1
+    done
+    echo "server $name did not start"; tail -20 "$OUT/server-$name.log"; return 1
+}
+
+stop_server() {
+    kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null
+}
+
+replay() {  # RUN_ID [bench flags...]
+    local run_id=$1; shift
+    "$PYTHON" -m muse.cli bench serve --base-url "$URL" --output-dir "$OUT" --no-progress \
+        --concurrency "$SESSIONS" --sessions-per-level all --assistant-history trace --no-salt \
+        --run-id "$run_id" "$@"
+}
+
+KV_BYTES=$("$PYTHON" -c "print(int($KV_GB * 2**30))")
+start_server unbounded || exit 1
+replay unbounded --workload agentic --num-sessions "$SESSIONS" --turns 3:5 --think-time 0:2 \
+    --system-tokens "$SYSTEM_TOKENS" --tool-result-tokens 100:1500 --output-tokens 30:300
+stop_server
+TRACE="$OUT/agentic-unbounded-trace.jsonl"
+start_server gpu-only --kv-cache-memory-bytes "$KV_BYTES" || exit 1
+replay gpu-only --trace "$TRACE"
+stop_server
+start_server host-tier --kv-cache-memory-bytes "$KV_BYTES" --kv-offload-gb "$HOST_GB" \
+    --kv-offload-write-policy "$POLICY" || exit 1
+replay host-tier --trace "$TRACE"
+stop_server
+
+"$PYTHON" - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = {}
+for name in ("unbounded", "gpu-only", "host-tier"):
+    level = json.loads((out / f"agentic-{name}.json").read_text())["summaries"][0]
+    rows[name] = {"hit_rate": level["prefix_cache"]["server_hit_rate"],
+                  "ttft_p50_ms": level["ttft_ms"]["p50"], "ttft_p90_ms": level["ttft_ms"]["p90"],
+                  "completed": level["completed"], "failed": level["failed"]}
+base, tier, gpu = rows["unbounded"], rows["host-tier"], rows["gpu-only"]
+rows["host_tier_hit_rate_share_of_unbounded"] = tier["hit_rate"] / base["hit_rate"]
+rows["p90_ttft_gain_over_gpu_only"] = 1 - tier["ttft_p90_ms"] / gpu["ttft_p90_ms"]
+(out / "kv_tiers.json").write_text(json.dumps(rows, indent=2))
+print(json.dumps(rows, indent=2))
+PY
