@@ -26,7 +26,9 @@
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
 # only stops and saves this part, and RESUME=1 continues from $WORK's training state in the
-# next command (the machine must still hold $WORK: call again while it is warm).
+# next command (the machine must still hold $WORK: call again while it is warm; EXPORT=0
+# leaves the checkpoint out of OUT, so that the reply comes back at once and the machine is
+# still warm for that next command: bringing ~45 MB back took long enough to lose it).
 # OUT receives only small files, at most 16 MiB each:
 #   checkpoint.tar.part-NN   the shippable checkpoint folder muse-spark-default/ (weights,
 #                            config, processor and generation configs, tokenizer + chat
@@ -86,8 +88,10 @@ echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 
 # Export before evaluating, so the weights come back even if evaluation is cut short.
-tar -c -C "$WORK" --exclude training_state.pt --exclude '*.partial' muse-spark-default \
-    | split -b 15M -d -a 2 - "$OUT/checkpoint.tar.part-"
+if [ "${EXPORT:-1}" != 0 ]; then
+    tar -c -C "$WORK" --exclude training_state.pt --exclude '*.partial' muse-spark-default \
+        | split -b 15M -d -a 2 - "$OUT/checkpoint.tar.part-"
+fi
 cp "$MODEL/train_summary.json" "$OUT/"
 if [ -f "$MODEL/loss.png" ]; then cp "$MODEL/loss.png" "$OUT/"; fi
 

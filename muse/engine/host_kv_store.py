@@ -2,16 +2,24 @@
 in the disk tier's directory; `apply` makes a step's `KVTransfers` (see there for the order).
 
 A slot of kind k holds one block of every layer of kind k this rank keeps, K and V:
-[slots, layers of k, 2, block_size, kv_heads, head_dim], pinned when the KV lives on a GPU.
-Copies between a GPU and pinned slots are queued on the current stream without waiting
-(one per block), so they keep their place among the steps' kernels and the host runs on;
-only a disk write waits for the stream, to read what the slot holds. A file holds a slot's
-bytes as they are in memory.
+[slots, layers of k, 2, block_size, kv_heads, head_dim]. A step's copies of one kind move in
+one transfer each way, through a pinned staging buffer, with a gather or scatter per layer
+on the device:
+
+- saves: the blocks' rows gathered on the device, copied to a pinned buffer without waiting
+  (queued after the kernels that wrote them), and scattered into their slots by the host
+  once the copy has landed: before the next read of the slots (a load, a disk write, the
+  next step's saves), which by then rarely waits;
+- loads: the slots gathered by the host into a pinned buffer, copied to the device without
+  waiting, and scattered into the blocks there, ahead of the step's forward pass.
+
+A file holds a slot's bytes as they are in memory.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -30,39 +38,72 @@ class HostKVStore:
                        for kind in host_blocks}
         cache = kv_caches[0][0]
         self.device = cache.device
+        self.pin = cache.is_cuda
         self.slots = {kind: torch.zeros((n, len(self.layers[kind]), 2, *cache.shape[1:]),
-                                        dtype=cache.dtype, pin_memory=cache.is_cuda)
+                                        dtype=cache.dtype)
                       for kind, n in host_blocks.items()}
         self.disk_root = disk_root
         self.shard = shard
+        # Saves whose device-to-host copy may still be running: (kind, slots, staging, event).
+        self.landing: list[tuple[str, list[int], torch.Tensor, torch.cuda.Event | None]] = []
 
     @torch.inference_mode()
     def apply(self, transfers: KVTransfers) -> None:
-        if transfers.disk_saves and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # earlier saves landed
+        self._land()
         for kind, slot, key_hex in transfers.disk_saves:
             self._write(kind, slot, key_hex)
-        for kind, block, slot in transfers.saves:
-            self.slots[kind][slot].copy_(self._block(kind, block), non_blocking=True)
-        for kind, slot, block in transfers.loads:
-            self._put(kind, block, self.slots[kind][slot].to(self.device, non_blocking=True))
+        for kind, pairs in _by_kind(transfers.saves).items():
+            self._save(kind, *pairs)
+        if transfers.loads:
+            self._land()  # a load may read a slot this step saved
+        for kind, pairs in _by_kind(transfers.loads).items():
+            slots, blocks = pairs
+            self._put(kind, blocks, self._staged(self.slots[kind].index_select(
+                0, torch.tensor(slots)), self.device))
         for kind, key_hex, block in transfers.disk_loads:
-            self._put(kind, block, self._read(kind, key_hex).to(self.device))
+            self._put(kind, [block], self._read(kind, key_hex).unsqueeze(0).to(self.device))
         for kind, key_hex in transfers.disk_drops:
             self._path(kind, key_hex).unlink(missing_ok=True)
 
-    def _block(self, kind: str, block: int) -> torch.Tensor:
-        """GPU block `block` of every layer of `kind`: [layers, 2, block_size, heads, dim]."""
+    def _save(self, kind: str, blocks: list[int], slots: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.device)
         layers = [self.kv_caches[layer] for layer in self.layers[kind]]
         if not layers:
-            return self.slots[kind][0].new_empty(self.slots[kind].shape[1:])
-        return torch.stack([torch.stack((k[block], v[block])) for k, v in layers])
+            return
+        rows = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)),
+                                        dim=1) for k, v in layers], dim=1)
+        staging = self._staged(rows, torch.device("cpu"))
+        event = None
+        if self.pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.landing.append((kind, slots, staging, event))
 
-    def _put(self, kind: str, block: int, rows: torch.Tensor) -> None:
+    def _land(self) -> None:
+        """Scatter the saves whose copies were queued into their slots (waiting for them)."""
+        for kind, slots, staging, event in self.landing:
+            if event is not None:
+                event.synchronize()
+            self.slots[kind][slots] = staging
+        self.landing.clear()
+
+    def _staged(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`rows` on `device`, through pinned memory and without waiting when a GPU is
+        involved."""
+        if not self.pin:
+            return rows.to(device)
+        if device.type == "cpu":
+            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            return staging.copy_(rows, non_blocking=True)
+        return rows.pin_memory().to(device, non_blocking=True)
+
+    def _put(self, kind: str, blocks: list[int], rows: torch.Tensor) -> None:
+        """Write rows [blocks, layers, 2, ...] (on the device) into GPU `blocks`."""
+        index = torch.tensor(blocks, device=self.device)
         for position, layer in enumerate(self.layers[kind]):
             k, v = self.kv_caches[layer]
-            k[block].copy_(rows[position, 0])
-            v[block].copy_(rows[position, 1])
+            k.index_copy_(0, index, rows[:, position, 0])
+            v.index_copy_(0, index, rows[:, position, 1])
 
     def _path(self, kind: str, key_hex: str) -> Path:
         if self.disk_root is None:
@@ -79,3 +120,12 @@ class HostKVStore:
         shape, dtype = self.slots[kind].shape[1:], self.slots[kind].dtype
         data = torch.from_numpy(np.fromfile(self._path(kind, key_hex), dtype=np.uint8))
         return data.view(dtype).view(shape)
+
+
+def _by_kind(items: list[tuple[str, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
+    """Copies grouped by kind: the two columns of each kind's (a, b) pairs."""
+    grouped: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for kind, a, b in items:
+        grouped[kind][0].append(a)
+        grouped[kind][1].append(b)
+    return grouped

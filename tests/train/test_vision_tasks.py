@@ -151,3 +151,19 @@ def test_the_reasoning_numbers_the_shapes_in_reading_order_then_counts_them() ->
         order = [cells[(colour, kind)] for _, colour, kind, _ in listed]
         assert order == sorted(order)
         assert reasoning.endswith(f"That is {count} shape{'s' if count > 1 else ''}.")
+
+
+def test_the_reasoning_ends_with_what_the_question_asks_and_the_answer_is_in_it() -> None:
+    rng = random.Random(12)
+    for kind in IMAGE_KINDS:
+        case = vision_tasks.sample_image_case(rng, TRAIN, kind)
+        reasoning = case.messages()[1]["reasoning_content"]
+        topic = vision_tasks.IMAGE_TOPICS[kind].format(colour=case.target.colour,
+                                                       shape=case.target.kind)
+        assert reasoning == f"{vision_tasks.describe(case.scene)} The question asks {topic}."
+        assert case.answer in reasoning
+    for kind in vision_tasks.VIDEO_KINDS:
+        case = vision_tasks.sample_video_case(rng, TRAIN, kind)
+        reasoning = case.messages()[1]["reasoning_content"]
+        assert reasoning.endswith(f"The question asks {vision_tasks.VIDEO_TOPICS[kind]}.")
+        assert case.answer in reasoning

@@ -10,6 +10,10 @@ Image questions ask for the colour or kind of a lone shape, the number of shapes
 shape is, or what is written. Video questions ask which way a single shape moves (left,
 right, up, down), which shape it is, or its colour; frames are uint8 arrays [T, H, W, 3].
 
+The reasoning describes what is seen (the shapes in reading order, then their count and any
+text; or the moving shape), then restates what the question asks, so the answer is read
+off the description right after the question has been recognised.
+
 The user turn is a content-part list with an `{"type": "image"}` (or `"video"`) placeholder,
 which the chat template renders and HF processors accept; the pixels travel beside it.
 Phrasings and written words are split by `split.split_items`, so held-out cases are asked in
@@ -88,6 +92,14 @@ IMAGE_QUESTIONS: dict[str, tuple[str, ...]] = {
         "What do the letters or digits say?", "Transcribe the text in the image.",
         "What word or digit is shown?", "Say what the image has written on it."),
 }
+# What each kind of question asks, restated at the end of the reasoning right before the
+# answer: the answer is then read off the description just above, and a question phrased
+# in a way training never showed only has to be recognised as one of these.
+IMAGE_TOPICS = {"colour": "for the colour of the shape", "shape": "which shape it is",
+                "count": "how many shapes there are",
+                "position": "where the {colour} {shape} is", "read": "what is written"}
+VIDEO_TOPICS = {"direction": "which way the shape moves", "shape": "which shape moves",
+                "colour": "for the colour of the moving shape"}
 VIDEO_QUESTIONS: dict[str, tuple[str, ...]] = {
     "direction": (
         "Which way does the shape move?", "In which direction is the shape moving?",
@@ -141,9 +153,13 @@ class ImageCase:
     answer: str
     scene: Scene
     image: Image.Image
+    target: Shape  # the shape a colour, shape or position question is about
 
     def messages(self) -> list[dict[str, Any]]:
-        return _messages("image", self.question, describe(self.scene), self.answer)
+        topic = IMAGE_TOPICS[self.kind].format(colour=self.target.colour,
+                                               shape=self.target.kind)
+        reasoning = f"{describe(self.scene)} {_asks(topic)}"
+        return _messages("image", self.question, reasoning, self.answer)
 
 
 @dataclass
@@ -157,13 +173,18 @@ class VideoCase:
     frames: np.ndarray = field(compare=False)  # uint8 [T, H, W, 3]
 
     def messages(self) -> list[dict[str, Any]]:
-        reasoning = f"{_a(self.colour).capitalize()} {self.shape} moves {self.direction}."
+        reasoning = (f"{_a(self.colour).capitalize()} {self.shape} moves {self.direction}. "
+                     f"{_asks(VIDEO_TOPICS[self.kind])}")
         return _messages("video", self.question, reasoning, self.answer)
 
 
 def _messages(media: str, question: str, reasoning: str, answer: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": media}, {"type": "text", "text": question}]},
             {"role": "assistant", "reasoning_content": reasoning, "content": answer}]
+
+
+def _asks(topic: str) -> str:
+    return f"The question asks {topic}."
 
 
 def _a(word: str) -> str:
@@ -309,7 +330,7 @@ def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -
     question = template.format(colour=target.colour, shape=target.kind)
     answer = {"colour": target.colour, "shape": target.kind, "count": str(shape_count),
               "position": target.position, "read": scene.text or ""}[kind]
-    return ImageCase(kind, question, answer, scene, draw_scene(scene))
+    return ImageCase(kind, question, answer, scene, draw_scene(scene), target)
 
 
 def draw_video(shape: str, colour: str, direction: str, start: tuple[int, int], step: int,
