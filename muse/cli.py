@@ -297,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve, DEFAULT_MODEL)
     serve.set_defaults(func=cmd_serve)
 
+    router = sub.add_parser("router", help="an OpenAI-compatible proxy that sends each "
+                            "request's prefill and decode to disaggregated instances")
+    from muse.router.launch import add_router_arguments
+
+    add_router_arguments(router)
+    router.set_defaults(func=cmd_router)
+
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files",
                          formatter_class=DefaultsHelpFormatter)
     tok.add_argument("out", help="output folder")
@@ -376,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    from muse.router.launch import run_router
+
+    run_router(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,12 +71,14 @@ def free_port() -> int:
 
 
 def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None, model: str | None = MODEL) -> LiveServer:
+                 env: dict[str, str] | None = None, model: str | None = MODEL,
+                 command_name: str = "serve") -> LiveServer:
     """Start `muse serve` on `model` with `flags` (and `env` added to the environment) and
-    wait until /health answers 200. `model=None` leaves it to the environment."""
+    wait until /health answers 200. `model=None` leaves it to the environment (or, with
+    `command_name` "router", there is none)."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "muse.cli", "serve", *([model] if model else []),
+    command = [sys.executable, "-m", "muse.cli", command_name, *([model] if model else []),
                "--host", "127.0.0.1", "--port", str(port), *flags]
     if api_key is not None:
         command += ["--api-key", api_key]
@@ -92,7 +94,8 @@ def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"muse serve exited with {process.returncode} while starting:\n"
+            raise RuntimeError(f"muse {command_name} exited with {process.returncode} while "
+                               f"starting:\n"
                                f"{server.log_tail()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
@@ -101,7 +104,8 @@ def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
             pass
         time.sleep(0.2)
     stop_server(server)
-    raise RuntimeError(f"muse serve did not become healthy in {STARTUP_TIMEOUT_S:.0f} s:\n"
+    raise RuntimeError(f"muse {command_name} did not become healthy in "
+                       f"{STARTUP_TIMEOUT_S:.0f} s:\n"
                        f"{server.log_tail()}")
 
 

@@ -89,6 +89,8 @@ class EngineArgs:
     distributed_timeout_s: float = 600.0
     # Speculative decoding (vLLM's names): a dict, its JSON text or a SpeculativeConfig.
     speculative_config: Any = None
+    # Prefill / decode disaggregation (vLLM's `--kv-transfer-config`; muse.disagg.config).
+    kv_transfer_config: Any = None
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -156,6 +158,12 @@ class EngineArgs:
             raise ValueError("`encoder_workers` must be a non-negative integer, got "
                              f"{self.encoder_workers!r}")
         self._validate_kv_offload()
+        from muse.disagg.config import KVTransferConfig
+
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None \
+                and self.parallel_config().world_size > 1:
+            raise ValueError("`kv_transfer_config` runs on one rank per instance so far: use "
+                             "it without tensor, pipeline, data or context parallelism")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

@@ -46,13 +46,14 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams,
                     multi_modal_data: dict[str, Any] | None = None,
-                    cache_salt: str | None = None) -> list[Request]:
+                    cache_salt: str | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
         if request_id in self.owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=lambda r: len(r.requests))
         samples = replica.add_request(request_id, prompt_token_ids, params, multi_modal_data,
-                                      cache_salt)
+                                      cache_salt, kv_transfer_params)
         self.owner[request_id] = replica
         return samples
 
@@ -72,6 +73,10 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> None:
         for replica in self.replicas:
             replica.reset_prefix_cache()
+
+    def serve_kv_pulls(self) -> None:
+        for replica in self.replicas:
+            replica.serve_kv_pulls()
 
     def step(self) -> list[Request]:
         """One step of every rank with work; returns the requests that changed."""

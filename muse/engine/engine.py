@@ -20,6 +20,10 @@ from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compil
 from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.metadata import HostBatch
 from muse.engine.rank_memory import shared_kv_budget
+from muse.disagg.config import KVTransferConfig
+from muse.disagg.kv_export import KVExporter
+from muse.disagg.kv_import import KVImporter, check_kv_transfer_params
+from muse.disagg.transport import KVTransferError
 from muse.engine.host_kv_store import HostKVStore
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.kv_offload import DiskIndex, KVOffload, disk_tier_root, host_blocks, shard_name
@@ -318,6 +322,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(args.block_size, self.num_blocks,
                                        self.config.sliding_window, args.enable_prefix_caching,
                                        offload)
+        self.kv_exporter, self.kv_importer = self._kv_transfer()
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         if self.speculative is not None:
             self.runner.rejection_sample_method = self.speculative.rejection_sample_method
@@ -330,6 +335,22 @@ class EngineCore:
         # Requests whose grammar is compiling: not scheduled, no KV blocks (group id -> job).
         self.grammar_waiting: dict[str, CompileJob] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
+
+    def _kv_transfer(self) -> tuple[KVExporter | None, KVImporter | None]:
+        """This instance's side of prefill / decode disaggregation (`kv_transfer_config`)."""
+        config = KVTransferConfig.parse(self.args.kv_transfer_config)
+        if config is None:
+            return None, None
+        parts = (self.kv_cache, self.executor.worker.kv_caches, self.model.layer_types,
+                 self.block_bytes, config)
+        return (KVExporter(*parts) if config.is_producer else None,
+                KVImporter(*parts) if config.is_consumer else None)
+
+    def serve_kv_pulls(self) -> None:
+        """Answer decode instances' pulls of KV blocks (a prefill instance; call between
+        steps, also while idle)."""
+        if self.kv_exporter is not None:
+            self.kv_exporter.serve()
 
     def data_parallel_replica(self) -> EngineCore:
         """The scheduling side of another data-parallel rank: its own queue, KV block manager
@@ -481,13 +502,19 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams,
                     multi_modal_data: dict[str, Any] | None = None,
-                    cache_salt: str | None = None) -> list[Request]:
+                    cache_salt: str | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
         """Validate and queue a request; its `n` samples share the prompt's KV.
 
         `multi_modal_data` (vLLM's shape): {"image": [...], "video": [...], "audio": [...]},
         one item (or a list) per kind, the k-th of a kind for the prompt's k-th placeholder of
         that kind; the prompt's placeholders are expanded (`muse.multimodal.processor`).
         `cache_salt` (vLLM's): only requests with the same salt share prefix-cache blocks.
+        `kv_transfer_params` (disaggregation, as vLLM's): `do_remote_decode` on a prefill
+        instance keeps the request's blocks for a decode instance to pull;
+        `do_remote_prefill` with `remote_host`, `remote_port`, `remote_request_id` on a decode
+        instance pulls the prompt's blocks from that prefill instance first (computing the
+        prompt here if the pull fails).
 
         A constrained request whose grammar is not cached waits, unscheduled, while its
         grammar compiles beside the loop; a compile that fails later fails it from `step`."""
@@ -502,6 +529,11 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")
+        if kv_transfer_params is not None:
+            check_kv_transfer_params(kv_transfer_params)
+            if kv_transfer_params.get("do_remote_prefill") and self.kv_importer is not None \
+                    and not media:
+                self._pull_prompt(kv_transfer_params, prompt_token_ids, cache_salt)
         spec = params.structured_output
         compiled = None
         if spec is not None:
@@ -516,13 +548,22 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
                 generator=self._generator(params, index), media=media,
-                cache_salt=cache_salt))
+                cache_salt=cache_salt, hold_kv_for_transfer=bool(
+                    kv_transfer_params and kv_transfer_params.get("do_remote_decode")
+                    and self.kv_exporter is not None)))
         self.requests[request_id] = samples
         if spec is not None and compiled is None:
             self.grammar_waiting[request_id] = self.grammar_jobs.submit(spec)
         else:
             self._queue(samples, compiled)
         return samples
+
+    def _pull_prompt(self, params: dict[str, Any], prompt_token_ids: list[int],
+                     cache_salt: str | None) -> None:
+        try:
+            self.kv_importer.pull(params, prompt_token_ids, cache_salt)
+        except KVTransferError as error:
+            logger.warning("%s; computing the prompt here instead", error)
 
     def _process_media(self, prompt_token_ids: list[int], data: dict[str, Any]
                        ) -> tuple[list[int], list]:

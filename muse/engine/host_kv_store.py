@@ -66,12 +66,9 @@ class HostKVStore:
             self._path(kind, key_hex).unlink(missing_ok=True)
 
     def _save(self, kind: str, blocks: list[int], slots: list[int]) -> None:
-        index = torch.tensor(blocks, device=self.device)
-        layers = [self.kv_caches[layer] for layer in self.layers[kind]]
-        if not layers:
+        if not self.layers[kind]:
             return
-        rows = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)),
-                                        dim=1) for k, v in layers], dim=1)
+        rows = gather_blocks(self.kv_caches, self.layers[kind], blocks)
         staging = self._staged(rows, torch.device("cpu"))
         event = None
         if self.pin:
@@ -98,12 +95,7 @@ class HostKVStore:
         return rows.pin_memory().to(device, non_blocking=True)
 
     def _put(self, kind: str, blocks: list[int], rows: torch.Tensor) -> None:
-        """Write rows [blocks, layers, 2, ...] (on the device) into GPU `blocks`."""
-        index = torch.tensor(blocks, device=self.device)
-        for position, layer in enumerate(self.layers[kind]):
-            k, v = self.kv_caches[layer]
-            k.index_copy_(0, index, rows[:, position, 0])
-            v.index_copy_(0, index, rows[:, position, 1])
+        put_blocks(self.kv_caches, self.layers[kind], blocks, rows)
 
     def _path(self, kind: str, key_hex: str) -> Path:
         if self.disk_root is None:
@@ -120,6 +112,25 @@ class HostKVStore:
         shape, dtype = self.slots[kind].shape[1:], self.slots[kind].dtype
         data = torch.from_numpy(np.fromfile(self._path(kind, key_hex), dtype=np.uint8))
         return data.view(dtype).view(shape)
+
+
+def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],
+                  blocks: list[int]) -> torch.Tensor:
+    """Blocks `blocks` of the layers `layers` (of one kind), on their device:
+    [blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
+    index = torch.tensor(blocks, device=kv_caches[0][0].device)
+    return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)),
+                                    dim=1) for k, v in (kv_caches[i] for i in layers)], dim=1)
+
+
+def put_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],
+               blocks: list[int], rows: torch.Tensor) -> None:
+    """Write rows [blocks, layers, 2, ...] (on the caches' device) into `blocks`."""
+    index = torch.tensor(blocks, device=kv_caches[0][0].device)
+    for position, layer in enumerate(layers):
+        k, v = kv_caches[layer]
+        k.index_copy_(0, index, rows[:, position, 0])
+        v.index_copy_(0, index, rows[:, position, 1])
 
 
 def _by_kind(items: list[tuple[str, int, int]]) -> dict[str, tuple[list[int], list[int]]]:

@@ -23,6 +23,7 @@ The longest P that every kind accepts wins.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,6 +96,10 @@ class KVCacheManager:
         self.counted_kind = next((k for k in num_blocks if k != SLIDING), next(iter(num_blocks)))
         self.requests: dict[str, RequestBlocks] = {}
         self.stats = PrefixCacheStats()
+        # Blocks of finished requests kept for a decode instance to pull (disaggregation):
+        # group id -> ([(kind, block)], monotonic deadline); `hold_timeout_s` from the config.
+        self.holds: dict[str, tuple[list[tuple[str, int]], float]] = {}
+        self.hold_timeout_s = 30.0
 
     @property
     def pools(self) -> dict[str, BlockPool]:
@@ -258,10 +263,31 @@ class KVCacheManager:
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return
+        if request.hold_kv_for_transfer:
+            self._hold(request, state)
         for kind, table in state.tables.items():
             # Tail blocks first, so the prefix's head (most shareable) is evicted last.
             for block in reversed(table):
                 self.groups[kind].pool.release(block)
+
+    def _hold(self, request: Request, state: RequestBlocks) -> None:
+        held, _ = self.holds.get(request.group_id, ([], 0.0))
+        for kind, table in state.tables.items():
+            for block in table:
+                if block != NULL_BLOCK:
+                    self.groups[kind].pool.acquire(block)
+                    held.append((kind, block))
+        self.holds[request.group_id] = (held, time.monotonic() + self.hold_timeout_s)
+
+    def release_hold(self, group_id: str) -> None:
+        """Let go of the blocks a finished request kept for a pull (they stay cached)."""
+        held, _ = self.holds.pop(group_id, ([], 0.0))
+        for kind, block in held:
+            self.groups[kind].pool.release(block)
+
+    def expire_holds(self, now: float) -> None:
+        for group_id in [g for g, (_, deadline) in self.holds.items() if deadline <= now]:
+            self.release_hold(group_id)
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> int:
         """Let `child` share the parent's KV for up to its first `num_tokens` tokens.

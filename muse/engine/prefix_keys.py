@@ -43,6 +43,18 @@ def media_extra_keys(content_hashes: Sequence[str]) -> tuple[str, ...]:
     return tuple(f"media:{content_hash}" for content_hash in content_hashes)
 
 
+def prompt_block_keys(token_ids: Sequence[int], block_size: int,
+                      cache_salt: str | None = None) -> list[BlockKey]:
+    """The keys of a text prompt's full blocks that a prefix-cache hit may cover (those
+    within its first len - 1 tokens: one token is always computed)."""
+    keys: list[BlockKey] = []
+    for index in range((len(token_ids) - 1) // block_size):
+        extra = first_block_extra_keys(cache_salt) if index == 0 else ()
+        keys.append(block_key(keys[-1] if keys else None,
+                              token_ids[index * block_size:(index + 1) * block_size], extra))
+    return keys
+
+
 def block_key(parent: BlockKey | None, token_ids: Sequence[int],
               extra_keys: Sequence[str] = ()) -> BlockKey:
     """The key of a block holding `token_ids` after the prefix `parent` names (None for a

@@ -85,6 +85,9 @@ class Request:
     # Separates this request's prefix-cache entries from those of other salts (vLLM's
     # `cache_salt`: tenants that must not share cached prompts).
     cache_salt: str | None = None
+    # A prefill instance's request for a decode instance (`kv_transfer_params`
+    # "do_remote_decode"): its blocks are held after it finishes, until pulled or timed out.
+    hold_kv_for_transfer: bool = False
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from muse.server.engine_client import EngineClient
-from muse.server.generation import GenerationState, generate
+from muse.server.generation import GenerationState, generate, kv_transfer_reply
 from muse.server.metrics import ServerMetrics
 from muse.server.parsers.chat_output import ChatOutputParser, DeltaMessage
 from muse.server.protocol import ChatCompletionRequest
@@ -41,7 +41,8 @@ async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client
                           tokenizer, options: ServerOptions, metrics: ServerMetrics,
                           request_id: str, state: GenerationState):
     updates = generate(client, tokenizer, request_id, plan.prompt_token_ids, plan.params,
-                       metrics, state, CHAT_HIDDEN_TOKEN_IDS, plan.media, request.cache_salt)
+                       metrics, state, CHAT_HIDDEN_TOKEN_IDS, plan.media, request.cache_salt,
+                       request.kv_transfer_params)
     _, updates = await first_then_rest(updates)
     parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.tools,
                                 plan.thinking) for _ in range(plan.params.n)]
@@ -71,8 +72,10 @@ async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client
             "logprobs": chat_logprobs(tokenizer, logprobs[index])
             if plan.params.logprobs is not None else None,
             "finish_reason": _finish_reason(finish.get(index), bool(parsed.tool_calls))})
+    transfer = kv_transfer_reply(client, request.kv_transfer_params, request_id)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(state)})
+                         "usage": usage(state),
+                         **({"kv_transfer_params": transfer} if transfer else {})})
 
 
 async def _stream(request: ChatCompletionRequest, plan: ChatPlan, updates: AsyncIterator,

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from muse.engine.sampling_params import SamplingParams
 from muse.server.engine_client import EngineClient
-from muse.server.generation import GenerationState, generate
+from muse.server.generation import GenerationState, generate, kv_transfer_reply
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import CompletionRequest
 from muse.server.responses import (
@@ -42,7 +42,8 @@ async def completion(request: CompletionRequest, prompts: list[list[int]],
         if request.echo and request.logprobs is not None:
             sampling.prompt_logprobs = request.logprobs
         updates = generate(client, tokenizer, f"{request_id}-{p}", prompt, sampling, metrics,
-                           states[p], cache_salt=request.cache_salt)
+                           states[p], cache_salt=request.cache_salt,
+                           kv_transfer_params=request.kv_transfer_params)
         streams.append((await first_then_rest(updates))[1])
     head = {"id": request_id, "created": now(), "model": options.served_model_name}
     echo_texts = [tokenizer.decode(p, skip_special_tokens=True) if request.echo else ""
@@ -72,8 +73,11 @@ async def completion(request: CompletionRequest, prompts: list[list[int]],
             reason, stop = finish.get((p, index), (None, None))
             choices.append({"index": p * n + index, "text": text, "logprobs": entry,
                             "finish_reason": reason, "stop_reason": stop})
+    transfer = kv_transfer_reply(client, request.kv_transfer_params, f"{request_id}-0") \
+        if len(prompts) == 1 else None
     return JSONResponse({**head, "object": "text_completion", "choices": choices,
-                         "usage": _usage(states)})
+                         "usage": _usage(states),
+                         **({"kv_transfer_params": transfer} if transfer else {})})
 
 
 async def _stream(request: CompletionRequest, streams: list[AsyncIterator],

@@ -110,8 +110,8 @@ class EngineClient:
         self._submit(ResetPrefixCache())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       media: list[MediaArray] | None = None, cache_salt: str | None = None
-                       ) -> AsyncIterator[SampleDelta]:
+                       media: list[MediaArray] | None = None, cache_salt: str | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample of one request until all are finished. `media`: the
         decoded media of the prompt's placeholders, in order; `cache_salt`: see
         `Engine.add_request`.
@@ -126,7 +126,7 @@ class EngineClient:
         self.num_samples += params.n
         try:
             self._submit(AddRequest(request_id, prompt_token_ids, params, media or [],
-                                    cache_salt))
+                                    cache_salt, kv_transfer_params))
             while unfinished:
                 message = await target.get()
                 if isinstance(message, EngineDead):

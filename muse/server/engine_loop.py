@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 
+from muse.disagg.config import KVTransferConfig
 from muse.engine.args import EngineArgs
 from muse.engine.data_parallel import Engine, make_engine
 from muse.engine.errors import InvalidRequestError
@@ -29,6 +30,12 @@ from muse.server.messages import (
 
 logger = logging.getLogger("muse.engine")
 STATS_INTERVAL_S = 0.2
+
+
+def kv_producer_address(value: object) -> tuple[str, int] | None:
+    config = KVTransferConfig.parse(value)
+    return (config.kv_ip, config.kv_port) if config is not None and config.is_producer \
+        else None
 
 
 def engine_stats(engine: Engine) -> EngineStats:
@@ -96,7 +103,8 @@ class EngineLoop:
                            max_num_seqs=engine.args.max_num_seqs,
                            eos_token_ids=list(engine.eos_token_ids),
                            max_grammar_bytes=engine.args.max_grammar_bytes,
-                           media_kinds=engine.replicas[0].media_kinds())
+                           media_kinds=engine.replicas[0].media_kinds(),
+                           kv_producer=kv_producer_address(engine.args.kv_transfer_config))
 
     def _handle(self, command) -> list:
         if isinstance(command, AddRequest):
@@ -118,7 +126,7 @@ class EngineLoop:
     def _add(self, command: AddRequest) -> None:
         media = multi_modal_data(command.media) if command.media else None
         self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                media, command.cache_salt)
+                                media, command.cache_salt, command.kv_transfer_params)
 
     @staticmethod
     def _failure(request_id: str, error: InvalidRequestError) -> RequestFailed:
@@ -166,6 +174,7 @@ class EngineLoop:
                 if isinstance(command, Shutdown):
                     return
                 outputs.extend(self._handle(command))
+            self.engine.serve_kv_pulls()
             if self.engine.has_unfinished():
                 outputs.extend(self._outputs(self.engine.step()))
             now = time.monotonic()

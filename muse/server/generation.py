@@ -36,11 +36,23 @@ class GenerationState:
     outcome: str | None = None  # set when the generation did not finish: "abort" or "error"
 
 
+def kv_transfer_reply(client: EngineClient, request_params: dict | None, request_id: str
+                      ) -> dict | None:
+    """What a prefill instance answers a `do_remote_decode` request with: where a decode
+    instance pulls the prompt's blocks from (vLLM's `kv_transfer_params` reply)."""
+    address = client.ready.kv_producer
+    if address is None or not (request_params or {}).get("do_remote_decode"):
+        return None
+    return {"do_remote_prefill": True, "remote_host": address[0], "remote_port": address[1],
+            "remote_request_id": request_id}
+
+
 async def generate(client: EngineClient, tokenizer, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, metrics: ServerMetrics, state: GenerationState,
                    hidden_token_ids: frozenset[int] | None = None,
                    media: list[MediaArray] | None = None,
-                   cache_salt: str | None = None) -> AsyncIterator[SampleUpdate]:
+                   cache_salt: str | None = None,
+                   kv_transfer_params: dict | None = None) -> AsyncIterator[SampleUpdate]:
     """Updates of every sample until all finish; stop strings end a sample early.
 
     A generation left unfinished marks `state.outcome` "abort" (the client left) or "error";
@@ -52,7 +64,8 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                     for i in range(params.n)}
     unfinished = set(range(params.n))
     status = "abort"
-    deltas = client.generate(request_id, prompt_token_ids, params, media, cache_salt)
+    deltas = client.generate(request_id, prompt_token_ids, params, media, cache_salt,
+                             kv_transfer_params)
     try:
         async for delta in deltas:
             metrics.generation_tokens.inc(len(delta.token_ids))

@@ -180,6 +180,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="uni: one process; mp: a process per rank on this host; ray: ranks as Ray actors "
              "across the nodes of a Ray cluster (muse[ray]) (default: mp when more than one "
              "rank, else uni)")
+    add("--kv-transfer-config", default=None,
+        help="prefill / decode disaggregation, vLLM's JSON: {\"kv_role\": \"kv_producer\"} "
+             "(a prefill instance; \"kv_ip\", \"kv_port\": where decode instances pull KV "
+             "blocks, default 127.0.0.1:14579) or {\"kv_role\": \"kv_consumer\"} (a decode "
+             "instance); `muse router` sends requests to both (default: none)")
     add("--speculative-config", default=None,
         help="speculative decoding as JSON, vLLM's names, e.g. '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 5}' (default: off)")
@@ -247,7 +252,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config)
 
 
 def media_limits_from(args: argparse.Namespace) -> MediaLimits:

@@ -85,6 +85,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # Decoded media of a chat request, in the order of its placeholders per kind.
     media: list[MediaArray] = []
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -154,6 +155,8 @@ class EngineReady(msgspec.Struct, tag=True):
     # The media kinds the engine's encoders take, so the front end refuses other media
     # parts before fetching them.
     media_kinds: list[str] = []
+    # A prefill instance's KV address (host, port) for `kv_transfer_params` replies.
+    kv_producer: tuple[str, int] | None = None
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -81,6 +81,8 @@ class SamplingFields(OpenAIModel):
     user: Optional[str] = None
     # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024)
+    # vLLM's, for disaggregated serving (see muse.disagg): set by `muse router`.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         default_temperature: float = 1.0) -> SamplingParams:

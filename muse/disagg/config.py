@@ -1,0 +1,74 @@
+"""`--kv-transfer-config`, in vLLM's shape: `{"kv_role": "kv_producer" | "kv_consumer" |
+"kv_both", "kv_connector": "MuseConnector", "kv_ip": ..., "kv_port": ...}`.
+
+A producer (prefill instance) listens on `kv_ip:kv_port` for decode instances pulling KV
+blocks; a consumer (decode instance) pulls from the producer a request's
+`kv_transfer_params` name. vLLM's other fields are accepted and have no effect here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+CONNECTORS = ("MuseConnector",)
+# vLLM's fields that describe its own connectors' buffers and ranks.
+IGNORED_FIELDS = ("kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_buffer_size",
+                  "kv_connector_extra_config", "engine_id", "kv_load_failure_policy")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_role: str
+    kv_connector: str = "MuseConnector"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    # How long a producer holds a finished prefill's blocks for a pull, and how long a pull
+    # may take before the decode instance computes the prompt itself.
+    kv_transfer_timeout_s: float = 30.0
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: Any) -> KVTransferConfig | None:
+        """A config from a dict, its JSON text or a config (None stays None)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"`kv_transfer_config` is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("`kv_transfer_config` must be a JSON object")
+        fields = {k: v for k, v in value.items() if k not in IGNORED_FIELDS}
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"`kv_transfer_config` has unknown fields {unknown}")
+        if "kv_role" not in fields:
+            raise ValueError(f"`kv_transfer_config` needs `kv_role`, one of {list(KV_ROLES)}")
+        config = cls(**fields)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"`kv_role` must be one of {list(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_connector == "NixlConnector":
+            raise ValueError("the NixlConnector needs the `nixl` package, which is not "
+                             "supported yet: use 'MuseConnector' (torch.distributed)")
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"`kv_connector` must be one of {list(CONNECTORS)}, got "
+                             f"{self.kv_connector!r}")
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
+            raise ValueError(f"`kv_port` must be a TCP port, got {self.kv_port!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError("`kv_transfer_timeout_s` must be positive")

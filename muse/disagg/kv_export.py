@@ -1,0 +1,67 @@
+"""The prefill instance's side of disaggregation: answer decode instances' pulls with the
+blocks its prefix index holds for their keys.
+
+Pulls arrive on transport threads; the engine's own thread answers them between steps
+(`serve`), where the scheduler's state is its to read, and lets go of the request's held
+blocks (`KVCacheManager.holds`: a request sent with `do_remote_decode` keeps its blocks after
+it finishes, until pulled or `kv_transfer_timeout_s` later).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import torch
+
+from muse.disagg.config import KVTransferConfig
+from muse.disagg.transport import PairListener, PulledBlocks
+from muse.engine.host_kv_store import gather_blocks
+from muse.engine.kv_cache import KVCacheManager
+from muse.engine.prefix_keys import BlockKey
+
+
+class KVExporter:
+    def __init__(self, kv_cache: KVCacheManager,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_types: list[str],
+                 block_bytes: dict[str, int], config: KVTransferConfig) -> None:
+        self.kv_cache = kv_cache
+        self.kv_caches = kv_caches
+        self.layers = {kind: [i for i, t in enumerate(layer_types) if t == kind]
+                       for kind in kv_cache.groups}
+        self.timeout_s = config.kv_transfer_timeout_s
+        kv_cache.hold_timeout_s = config.kv_transfer_timeout_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.listener = PairListener(config.kv_ip, config.kv_port, list(kv_cache.groups),
+                                     block_bytes, self._pull, self.timeout_s)
+
+    def _pull(self, request_id: str, keys: list[BlockKey]) -> PulledBlocks:
+        """On a transport thread: the engine's thread answers at its next `serve`."""
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self.jobs.put((request_id, keys, reply))
+        try:
+            return reply.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RuntimeError("the engine did not answer a KV pull in time") from None
+
+    def serve(self) -> None:
+        """Answer the pulls waiting (call from the engine's thread, between steps)."""
+        self.kv_cache.expire_holds(time.monotonic())
+        while True:
+            try:
+                request_id, keys, reply = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            pulled: PulledBlocks = {}
+            for kind, group in self.kv_cache.groups.items():
+                blocks = [group.index.lookup(key) for key in keys]
+                found = [block for block in blocks if block is not None]
+                data = gather_blocks(self.kv_caches, self.layers[kind], found).cpu() \
+                    if found else torch.zeros(0)
+                pulled[kind] = ([block is not None for block in blocks],
+                                data.contiguous().view(torch.uint8).reshape(len(found), -1))
+            self.kv_cache.release_hold(request_id)
+            reply.put(pulled)
+
+    def close(self) -> None:
+        self.listener.close()

@@ -1,0 +1,74 @@
+"""The decode instance's side of disaggregation: before a request sent with
+`kv_transfer_params` (`do_remote_prefill`) is queued, pull its prompt's blocks from the
+prefill instance named there and enter them in the prefix cache, as if this instance had
+computed them; the request then finds them as a prefix-cache hit and computes only the rest.
+
+A pull that fails leaves the cache as it was: the request computes its whole prompt here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from muse.disagg.config import KVTransferConfig
+from muse.disagg.transport import PairClient
+from muse.engine.errors import InvalidRequestError
+from muse.engine.host_kv_store import put_blocks
+from muse.engine.kv_cache import KVCacheManager
+from muse.engine.prefix_keys import prompt_block_keys
+
+REMOTE_FIELDS = ("remote_host", "remote_port", "remote_request_id")
+
+
+def check_kv_transfer_params(params: Any) -> None:
+    if not isinstance(params, dict):
+        raise InvalidRequestError("kv_transfer_params must be an object",
+                                  param="kv_transfer_params")
+    if params.get("do_remote_prefill"):
+        missing = [name for name in REMOTE_FIELDS if name not in params]
+        if missing:
+            raise InvalidRequestError(f"kv_transfer_params with do_remote_prefill needs "
+                                      f"{missing}", param="kv_transfer_params")
+
+
+class KVImporter:
+    def __init__(self, kv_cache: KVCacheManager,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_types: list[str],
+                 block_bytes: dict[str, int], config: KVTransferConfig) -> None:
+        self.kv_cache = kv_cache
+        self.kv_caches = kv_caches
+        self.layers = {kind: [i for i, t in enumerate(layer_types) if t == kind]
+                       for kind in kv_cache.groups}
+        self.client = PairClient(list(kv_cache.groups), block_bytes,
+                                 config.kv_transfer_timeout_s)
+
+    def pull(self, params: dict[str, Any], prompt_token_ids: list[int],
+             cache_salt: str | None = None) -> int:
+        """Pull the prompt's blocks this instance lacks; returns how many blocks of the
+        prompt the prefix index now holds in its first kind. Raises KVTransferError."""
+        keys = prompt_block_keys(prompt_token_ids, self.kv_cache.block_size, cache_salt)
+        pulled = self.client.pull(str(params["remote_host"]), int(params["remote_port"]),
+                                  str(params["remote_request_id"]), keys)
+        cache = self.kv_caches[0][0]
+        for kind, (present, data) in pulled.items():
+            group = self.kv_cache.groups[kind]
+            rows = data.view(cache.dtype).view(len(data), len(self.layers[kind]), 2,
+                                               *cache.shape[1:])
+            taken: list[tuple[int, int, bytes]] = []  # (row, block, key)
+            row = 0
+            for key, found in zip(keys, present):
+                if not found:
+                    continue
+                if group.index.lookup(key) is None and group.pool.num_free:
+                    taken.append((row, group.pool.allocate(), key))
+                row += 1
+            if taken:
+                put_blocks(self.kv_caches, self.layers[kind], [b for _, b, _ in taken],
+                           rows[[r for r, _, _ in taken]].to(cache.device))
+            for _, block, key in taken:
+                group.index.register(block, key)
+                group.pool.release(block)  # cached and free, as a finished request's
+        first = self.kv_cache.groups[next(iter(self.kv_cache.groups))].index
+        return sum(1 for key in keys if first.lookup(key) is not None)

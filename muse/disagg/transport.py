@@ -1,0 +1,167 @@
+"""KV blocks between instances over torch.distributed: one two-rank process group per
+(producer, consumer) pair, built on the producer's TCPStore and outside any default world.
+
+The producer (`PairListener`) runs a TCPStore server on `kv_ip:kv_port`; a consumer
+(`PairClient`) takes a pair number from the store, both build a gloo group under that
+number's prefix, and a producer thread answers the consumer's pulls on it for as long as
+the group lives. A pull:
+
+    consumer -> header int64[6]: keys, request id bytes, bytes of one block of each kind
+                (kinds in sorted order; 0 where absent), 0, 0
+             -> the keys, uint8 [keys * 32], and the producer's request id, uint8
+    producer -> int64[3]: status (0: ok; 1: blocks of another size: another model or
+                layout), how many blocks of each kind follow
+             -> uint8 [kinds * keys]: which keys each kind has
+             -> per kind with blocks: uint8 [count, block bytes], the blocks as they are in
+                memory ([layers, 2, block_size, kv_heads, head_dim] of the KV dtype)
+
+Gloo moves bytes between host buffers, on a CPU or a GPU machine alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from muse.engine.prefix_keys import BlockKey
+
+logger = logging.getLogger("muse.disagg")
+HEADER = 6
+KEY_BYTES = 32
+STATUS_OK, STATUS_MISMATCH = 0, 1
+# kind -> (which keys it holds, their blocks' bytes [count, block bytes])
+PulledBlocks = dict[str, tuple[list[bool], torch.Tensor]]
+PullHandler = Callable[[str, list[BlockKey]], PulledBlocks]
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed (the producer is gone, timed out, or serves another model)."""
+
+
+def _group(store: dist.Store, pair: int, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"pair{pair}", store), rank, 2,
+                                 datetime.timedelta(seconds=timeout_s))
+
+
+def _send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> None:
+    group.send([tensor.contiguous()], peer, 0).wait()
+
+
+def _recv(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+    group.recv([tensor], peer, 0).wait()
+    return tensor
+
+
+class PairListener:
+    """The producer's side: accepts consumers and answers their pulls with `handler`."""
+
+    def __init__(self, host: str, port: int, kinds: list[str], block_bytes: dict[str, int],
+                 handler: PullHandler, timeout_s: float) -> None:
+        self.kinds = sorted(kinds)
+        self.block_bytes = block_bytes
+        self.handler = handler
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.stopped = threading.Event()
+        threading.Thread(target=self._accept, name="muse-kv-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        served = 0
+        while not self.stopped.wait(0.05):
+            while served < self.store.add("pairs", 0):
+                served += 1
+                threading.Thread(target=self._serve, args=(served,), daemon=True,
+                                 name=f"muse-kv-pair{served}").start()
+
+    def _serve(self, pair: int) -> None:
+        try:
+            group = _group(self.store, pair, 0, self.timeout_s)
+            while not self.stopped.is_set():
+                self._answer(group)
+        except RuntimeError as error:  # the consumer left: its group is done
+            logger.info("KV pair %d closed: %s", pair, error)
+
+    def _answer(self, group: dist.ProcessGroup) -> None:
+        header = _recv(group, torch.zeros(HEADER, dtype=torch.int64), 1).tolist()
+        num_keys, id_bytes = header[0], header[1]
+        keys = _recv(group, torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8), 1) \
+            if num_keys else torch.zeros(0, dtype=torch.uint8)
+        request_id = bytes(_recv(group, torch.zeros(id_bytes, dtype=torch.uint8), 1).tolist()) \
+            .decode() if id_bytes else ""
+        theirs = dict(zip(self.kinds, header[2:4]))
+        if any(theirs[kind] != self.block_bytes[kind] for kind in self.kinds):
+            _send(group, torch.tensor([STATUS_MISMATCH, 0, 0]), 1)
+            return
+        key_list = [bytes(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES].tolist())
+                    for i in range(num_keys)]
+        blocks = self.handler(request_id, key_list)
+        counts = [int(blocks[kind][1].shape[0]) for kind in self.kinds]
+        _send(group, torch.tensor([STATUS_OK, *counts, *[0] * (2 - len(counts))]), 1)
+        present = [flag for kind in self.kinds for flag in blocks[kind][0]]
+        if present:
+            _send(group, torch.tensor(present, dtype=torch.uint8), 1)
+        for kind, count in zip(self.kinds, counts):
+            if count:
+                _send(group, blocks[kind][1], 1)
+
+    def close(self) -> None:
+        self.stopped.set()
+
+
+class PairClient:
+    """The consumer's side: one group per producer address, made on first use."""
+
+    def __init__(self, kinds: list[str], block_bytes: dict[str, int], timeout_s: float
+                 ) -> None:
+        self.kinds = sorted(kinds)
+        self.block_bytes = block_bytes
+        self.timeout_s = timeout_s
+        self.groups: dict[tuple[str, int], tuple[dist.Store, dist.ProcessGroup]] = {}
+
+    def _connect(self, host: str, port: int) -> dist.ProcessGroup:
+        if (host, port) not in self.groups:
+            store = dist.TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=self.timeout_s))
+            pair = store.add("pairs", 1)
+            self.groups[(host, port)] = (store, _group(store, pair, 1, self.timeout_s))
+        return self.groups[(host, port)][1]
+
+    def pull(self, host: str, port: int, request_id: str, keys: list[BlockKey]
+             ) -> PulledBlocks:
+        """The blocks the producer at host:port holds for `keys` (its request
+        `request_id`'s prompt, whose hold the pull releases)."""
+        try:
+            group = self._connect(host, port)
+            encoded = request_id.encode()
+            sizes = [self.block_bytes[kind] for kind in self.kinds]
+            _send(group, torch.tensor([len(keys), len(encoded), *sizes,
+                                       *[0] * (4 - len(sizes))]), 0)
+            if keys:
+                _send(group, torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8), 0)
+            if encoded:
+                _send(group, torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0)
+            status, *counts = _recv(group, torch.zeros(3, dtype=torch.int64), 0).tolist()
+            if status != STATUS_OK:
+                raise KVTransferError(f"the producer at {host}:{port} serves blocks of "
+                                      "another size (another model, dtype or block size)")
+            present = _recv(group, torch.zeros(len(self.kinds) * len(keys),
+                                               dtype=torch.uint8), 0).tolist() if keys else []
+            pulled: PulledBlocks = {}
+            for index, (kind, count) in enumerate(zip(self.kinds, counts)):
+                flags = [bool(f) for f in present[index * len(keys):(index + 1) * len(keys)]]
+                data = _recv(group, torch.zeros((count, self.block_bytes[kind]),
+                                                dtype=torch.uint8), 0) if count else \
+                    torch.zeros((0, self.block_bytes[kind]), dtype=torch.uint8)
+                pulled[kind] = (flags, data)
+            return pulled
+        except (RuntimeError, ValueError) as error:
+            self.groups.pop((host, port), None)  # a broken group is not reused
+            if isinstance(error, KVTransferError):
+                raise
+            raise KVTransferError(f"pulling KV from {host}:{port} failed: {error}") from None

@@ -1,0 +1,32 @@
+"""`muse router`: its flags, and uvicorn serving the router app."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from muse.router.app import ROUTING, build_router
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--prefill", nargs="+", required=True, metavar="URL",
+        help="prefill instances (`muse serve --kv-transfer-config "
+             "'{\"kv_role\": \"kv_producer\"}'`), e.g. http://127.0.0.1:8100")
+    add("--decode", nargs="+", required=True, metavar="URL",
+        help="decode instances (`--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'`)")
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    add("--routing", choices=ROUTING, default="round_robin",
+        help="how an instance of each role is chosen (default: %(default)s)")
+    add("--request-timeout", type=float, default=600.0,
+        help="seconds an instance may take to answer (default: %(default)s)")
+
+
+def run_router(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    app = build_router([url.rstrip("/") for url in args.prefill],
+                       [url.rstrip("/") for url in args.decode], args.routing,
+                       args.request_timeout, os.environ.get("MUSE_API_KEY"))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
