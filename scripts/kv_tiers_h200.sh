@@ -2,7 +2,7 @@
 # The KV-tier run of docs/performance.md: an agentic replay (128 sessions at once) on
 # muse-spark-15b-a2b (random bf16 weights), one GPU, three servers in turn:
 #   unbounded  the default KV budget, which holds the whole working set (the reference hit rate)
-#   gpu-only   a GPU KV budget of KV_GB GiB, below the working set
+#   gpu-only   a GPU KV budget of KV_GB GiB, well below the working set (~1M tokens)
 #   host-tier  the same budget, with --kv-offload-gb HOST_GB below it
 # Each replays the same trace with the trace's own replies (identical requests); the last
 # step prints the prefix-hit rate and TTFT p50 / p90 of each and writes kv_tiers.json.
@@ -11,15 +11,16 @@
 #
 # Run from the repository root with a python3 that has muse's dependencies (on a GPU image
 # without the web stack, install the wheels of scripts/fetch_server_wheels.sh first).
-# SESSIONS (default 128), KV_GB (default 2), HOST_GB (default 64), POLICY (default
-# write_through), SYSTEM_TOKENS (default 4000) and MAX_LEN (default 32768) change the run.
+# SESSIONS (default 128), KV_GB (default 8: about 150K tokens of global-layer KV), HOST_GB
+# (default 64), POLICY (default write_through), SYSTEM_TOKENS (default 4000) and MAX_LEN
+# (default 32768) change the run.
 set -u
 OUT=${1:?usage: scripts/kv_tiers_h200.sh OUT}
 PYTHON=${PYTHON:-python3}
 PORT=${PORT:-8000}
 MODEL=${MODEL:-muse-spark-15b-a2b}
 SESSIONS=${SESSIONS:-128}
-KV_GB=${KV_GB:-2}
+KV_GB=${KV_GB:-8}
 HOST_GB=${HOST_GB:-64}
 POLICY=${POLICY:-write_through}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-4000}
