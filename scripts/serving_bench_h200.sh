@@ -21,23 +21,8 @@ URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-start_server() {  # NAME [serve flags...]
-    local name=$1; shift
-    "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" --max-model-len "$MAX_LEN" "$@" \
-        > "$OUT/server-$name.log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 240); do
-        if "$PYTHON" -c "import urllib.request, sys; urllib.request.urlopen('$URL/health')" \
-            2>/dev/null; then return 0; fi
-        kill -0 "$SERVER" 2>/dev/null || break
-        sleep 1
-    done
-    echo "server $name did not start"; tail -20 "$OUT/server-$name.log"; return 1
-}
-
-stop_server() {
-    kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null
-}
+# shellcheck source=scripts/bench_server_lib.sh
+source scripts/bench_server_lib.sh
 
 bench() {
     "$PYTHON" -m muse.cli bench serve --base-url "$URL" --output-dir "$OUT" --no-progress "$@"

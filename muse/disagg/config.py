@@ -8,9 +8,10 @@ blocks; a consumer (decode instance) pulls from the producer a request's
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from muse.json_options import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("MuseConnector",)
@@ -42,13 +43,7 @@ class KVTransferConfig:
         """A config from a dict, its JSON text or a config (None stays None)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"`kv_transfer_config` is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("`kv_transfer_config` must be a JSON object")
+        value = json_object(value, "kv_transfer_config")
         fields = {k: v for k, v in value.items() if k not in IGNORED_FIELDS}
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:

@@ -16,7 +16,7 @@ import torch
 
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.transport import PairListener, PulledBlocks
-from muse.engine.host_kv_store import gather_blocks
+from muse.engine.host_kv_store import gather_blocks, layers_by_kind
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.prefix_keys import BlockKey
 
@@ -27,8 +27,7 @@ class KVExporter:
                  block_bytes: dict[str, int], config: KVTransferConfig) -> None:
         self.kv_cache = kv_cache
         self.kv_caches = kv_caches
-        self.layers = {kind: [i for i, t in enumerate(layer_types) if t == kind]
-                       for kind in kv_cache.groups}
+        self.layers = layers_by_kind(layer_types, kv_cache.groups)
         self.timeout_s = config.kv_transfer_timeout_s
         kv_cache.hold_timeout_s = config.kv_transfer_timeout_s
         self.jobs: queue.Queue = queue.Queue()

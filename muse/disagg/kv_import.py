@@ -15,7 +15,7 @@ import torch
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.transport import PairClient
 from muse.engine.errors import InvalidRequestError
-from muse.engine.host_kv_store import put_blocks
+from muse.engine.host_kv_store import layers_by_kind, put_blocks
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.prefix_keys import prompt_block_keys
 
@@ -39,8 +39,7 @@ class KVImporter:
                  block_bytes: dict[str, int], config: KVTransferConfig) -> None:
         self.kv_cache = kv_cache
         self.kv_caches = kv_caches
-        self.layers = {kind: [i for i, t in enumerate(layer_types) if t == kind]
-                       for kind in kv_cache.groups}
+        self.layers = layers_by_kind(layer_types, kv_cache.groups)
         self.client = PairClient(list(kv_cache.groups), block_bytes,
                                  config.kv_transfer_timeout_s)
 

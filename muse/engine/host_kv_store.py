@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,7 @@ class HostKVStore:
                  host_blocks: dict[str, int], disk_root: Path | None = None,
                  shard: str = "") -> None:
         self.kv_caches = kv_caches
-        self.layers = {kind: [i for i, t in enumerate(layer_types) if t == kind]
-                       for kind in host_blocks}
+        self.layers = layers_by_kind(layer_types, host_blocks)
         cache = kv_caches[0][0]
         self.device = cache.device
         self.pin = cache.is_cuda
@@ -112,6 +112,12 @@ class HostKVStore:
         shape, dtype = self.slots[kind].shape[1:], self.slots[kind].dtype
         data = torch.from_numpy(np.fromfile(self._path(kind, key_hex), dtype=np.uint8))
         return data.view(dtype).view(shape)
+
+
+def layers_by_kind(layer_types: list[str], kinds: Iterable[str]) -> dict[str, list[int]]:
+    """The positions in `layer_types` (a rank's layers, as its KV caches are ordered) of
+    each kind's layers."""
+    return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in kinds}
 
 
 def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],

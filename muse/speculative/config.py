@@ -14,9 +14,10 @@ request's temperature and verifies it against that q.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from muse.json_options import json_object
 
 METHODS = ("ngram", "dflash", "dspark", "suffix")
 ENGINE_METHODS = METHODS
@@ -47,14 +48,7 @@ class SpeculativeConfig:
         """From a dict, its JSON text (the CLI flag) or an instance; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"`speculative_config` is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("`speculative_config` must be a JSON object, got "
-                             f"{type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
