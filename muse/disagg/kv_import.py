@@ -2,18 +2,21 @@
 `kv_transfer_params` (`do_remote_prefill`) is queued, pull its prompt's blocks from the
 prefill instance named there and enter them in the prefix cache, as if this instance had
 computed them; the request then finds them as a prefix-cache hit and computes only the rest.
+The pull runs on a transport thread while the engine steps on; the engine's thread enters
+the blocks (`enter`) and queues the request.
 
 A pull that fails leaves the cache as it was: the request computes its whole prompt here.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from muse.disagg.config import KVTransferConfig
-from muse.disagg.transport import PairClient
+from muse.disagg.transport import PairClient, PulledBlocks
 from muse.engine.errors import InvalidRequestError
 from muse.engine.host_kv_store import layers_by_kind, put_blocks
 from muse.engine.kv_cache import KVCacheManager
@@ -42,14 +45,27 @@ class KVImporter:
         self.layers = layers_by_kind(layer_types, kv_cache.groups)
         self.client = PairClient(list(kv_cache.groups), block_bytes,
                                  config.kv_transfer_timeout_s)
+        # One transport thread: pulls go out one at a time, in arrival order.
+        self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muse-kv-pull")
+
+    def start(self, params: dict[str, Any], prompt_token_ids: list[int],
+              cache_salt: str | None = None) -> Future:
+        """Pull the prompt's blocks on the transport thread (the engine steps on meanwhile);
+        the future's result goes to `enter`, its exception is a KVTransferError."""
+        keys = prompt_block_keys(prompt_token_ids, self.kv_cache.block_size, cache_salt)
+        return self.pulls.submit(lambda: (keys, self.client.pull(
+            str(params["remote_host"]), int(params["remote_port"]),
+            str(params["remote_request_id"]), keys)))
 
     def pull(self, params: dict[str, Any], prompt_token_ids: list[int],
              cache_salt: str | None = None) -> int:
-        """Pull the prompt's blocks this instance lacks; returns how many blocks of the
-        prompt the prefix index now holds in its first kind. Raises KVTransferError."""
-        keys = prompt_block_keys(prompt_token_ids, self.kv_cache.block_size, cache_salt)
-        pulled = self.client.pull(str(params["remote_host"]), int(params["remote_port"]),
-                                  str(params["remote_request_id"]), keys)
+        """`start`, waited for, then `enter`."""
+        return self.enter(*self.start(params, prompt_token_ids, cache_salt).result())
+
+    def enter(self, keys: list[bytes], pulled: PulledBlocks) -> int:
+        """Put pulled blocks into fresh GPU blocks and the prefix index (on the engine's
+        thread); returns how many blocks of the prompt the index now holds in its first
+        kind."""
         cache = self.kv_caches[0][0]
         for kind, (present, data) in pulled.items():
             group = self.kv_cache.groups[kind]

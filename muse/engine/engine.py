@@ -7,6 +7,8 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -334,6 +336,9 @@ class EngineCore:
         self.in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         # Requests whose grammar is compiling: not scheduled, no KV blocks (group id -> job).
         self.grammar_waiting: dict[str, CompileJob] = {}
+        # Requests whose prompt's blocks are being pulled from a prefill instance: not
+        # scheduled yet (group id -> (the pull, its structured-output spec, compiled grammar)).
+        self.kv_waiting: dict[str, tuple[Future, Any, Any]] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
 
     def _kv_transfer(self) -> tuple[KVExporter | None, KVImporter | None]:
@@ -529,11 +534,12 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")
+        pull = None
         if kv_transfer_params is not None:
             check_kv_transfer_params(kv_transfer_params)
             if kv_transfer_params.get("do_remote_prefill") and self.kv_importer is not None \
                     and not media:
-                self._pull_prompt(kv_transfer_params, prompt_token_ids, cache_salt)
+                pull = self.kv_importer.start(kv_transfer_params, prompt_token_ids, cache_salt)
         spec = params.structured_output
         compiled = None
         if spec is not None:
@@ -552,18 +558,31 @@ class EngineCore:
                     kv_transfer_params and kv_transfer_params.get("do_remote_decode")
                     and self.kv_exporter is not None)))
         self.requests[request_id] = samples
+        if pull is not None:  # queued once its prompt's blocks are here (`_take_pulled_kv`)
+            self.kv_waiting[request_id] = (pull, spec, compiled)
+        else:
+            self._admit(request_id, samples, spec, compiled)
+        return samples
+
+    def _admit(self, request_id: str, samples: list[Request], spec, compiled) -> None:
+        """Queue a request, or first compile its grammar if it is not cached."""
         if spec is not None and compiled is None:
             self.grammar_waiting[request_id] = self.grammar_jobs.submit(spec)
         else:
             self._queue(samples, compiled)
-        return samples
 
-    def _pull_prompt(self, params: dict[str, Any], prompt_token_ids: list[int],
-                     cache_salt: str | None) -> None:
-        try:
-            self.kv_importer.pull(params, prompt_token_ids, cache_salt)
-        except KVTransferError as error:
-            logger.warning("%s; computing the prompt here instead", error)
+    def _take_pulled_kv(self) -> None:
+        """Enter the blocks of finished pulls and queue their requests (a failed pull: the
+        request computes its whole prompt here)."""
+        for group_id, (pull, spec, compiled) in list(self.kv_waiting.items()):
+            if not pull.done():
+                continue
+            del self.kv_waiting[group_id]
+            try:
+                self.kv_importer.enter(*pull.result())
+            except KVTransferError as error:
+                logger.warning("%s; computing the prompt here instead", error)
+            self._admit(group_id, self.requests[group_id], spec, compiled)
 
     def _process_media(self, prompt_token_ids: list[int], data: dict[str, Any]
                        ) -> tuple[list[int], list]:
@@ -652,6 +671,7 @@ class EngineCore:
         job = self.grammar_waiting.pop(request_id, None)
         if job is not None and job not in self.grammar_waiting.values():
             self.grammar_jobs.cancel(job)
+        self.kv_waiting.pop(request_id, None)  # its pull ends on its own, unread
         for request in self.requests.pop(request_id, []):
             self.pending_siblings.pop(request.request_id, None)
             if not request.is_finished:
@@ -680,13 +700,19 @@ class EngineCore:
         returned are those of the previous step. Requests whose grammar failed to compile
         are returned finished, with `error` set."""
         failed = self._collect_grammars()
+        self._take_pulled_kv()
         previous, self.in_flight = self.in_flight, None
         if self.speculative is not None:
             self._propose_drafts()
         scheduled = self.scheduler.schedule().scheduled
-        if not scheduled and previous is None and self.grammar_waiting and not failed:
-            self.grammar_jobs.wait(GRAMMAR_WAIT_S)
-            return []
+        if not scheduled and previous is None and not failed:
+            if self.grammar_waiting:
+                self.grammar_jobs.wait(GRAMMAR_WAIT_S)
+                return []
+            if self.kv_waiting:
+                wait_futures([pull for pull, _, _ in self.kv_waiting.values()],
+                             timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+                return []
         launched = self._launched(self.runner.launch(scheduled, previous)) \
             if scheduled else None
         if launched is not None and isinstance(self.proposer, DrafterProposer):
@@ -788,6 +814,7 @@ class EngineCore:
         requests whose grammar failed, and its scheduled batch (None when it has nothing to
         run). `finish_step` takes the logits."""
         failed = self._collect_grammars()
+        self._take_pulled_kv()
         scheduled = self.scheduler.schedule().scheduled
         return failed, self.runner.prepare(scheduled) if scheduled else None
 

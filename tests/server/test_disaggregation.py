@@ -134,3 +134,32 @@ def test_vllm_fields_are_accepted():
     config = KVTransferConfig.parse('{"kv_role": "kv_consumer", "kv_rank": 1, '
                                     '"kv_parallel_size": 2, "kv_buffer_device": "cuda"}')
     assert config.is_consumer and not config.is_producer
+
+
+def test_a_pull_waits_beside_the_steps_of_other_requests():
+    # In one process: a prefill engine, and a decode engine whose pull stays unanswered
+    # until the prefill engine serves pulls, while another request decodes to the end.
+    port = free_port()
+    prefill = tiny_llm(kv_transfer_config={"kv_role": "kv_producer", "kv_port": port})
+    decode = tiny_llm(kv_transfer_config={"kv_role": "kv_consumer"})
+    prompt, other = random_prompt(70, 1), random_prompt(20, 2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = tiny_llm().generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=1),
+                               kv_transfer_params={"do_remote_decode": True})
+    while prefill.engine.has_unfinished():
+        prefill.engine.step()
+    assert prefill.engine.kv_cache.holds  # kept for the pull
+    where = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+             "remote_request_id": "p"}
+    (waiting,) = decode.engine.add_request("d", prompt, params, kv_transfer_params=where)
+    (beside,) = decode.engine.add_request("o", other, params)
+    while not beside.is_finished:
+        decode.engine.step()
+    assert waiting.num_computed_tokens == 0 and "d" in decode.engine.kv_waiting
+    while decode.engine.has_unfinished():
+        prefill.engine.serve_kv_pulls()
+        decode.engine.step()
+    assert waiting.num_cached_tokens == 64
+    assert waiting.output_token_ids == want[0].outputs[0].token_ids
+    assert not prefill.engine.kv_cache.holds  # let go once pulled
