@@ -87,9 +87,9 @@ def test_answers_match_what_is_said() -> None:
         elif said.kind == "word":
             assert said.text == said.answer and said.answer in WORDS
         else:
-            # "The audio says: <text>. a<op>b=c." with a true equation whose operands are
-            # the spoken ones.
-            match = re.fullmatch(r"The audio says: (.+)\. (\d+)([-+*])(\d+)=(-?\d+)\.",
+            # "The audio says: <text>. a<op>b: <worked in columns>. So c." with a true
+            # result whose operands are the spoken ones.
+            match = re.fullmatch(r"The audio says: (.+?)\. (\d+)([-+*])(\d+): .* So (-?\d+)\.",
                                  said.reasoning)
             assert match and match.group(1) == said.text
             a, operator, b, result = (int(match.group(2)), match.group(3), int(match.group(4)),
@@ -106,7 +106,8 @@ def test_held_out_sums_are_never_trained() -> None:
     rng = random.Random(3)
 
     def problems(split: str, count: int) -> set[str]:
-        return {sample_utterance(rng, split, "arithmetic").reasoning.split(". ")[-1]
+        return {re.search(r"\. (\d+[-+*]\d+): ",
+                          sample_utterance(rng, split, "arithmetic").reasoning).group(1)
                 for _ in range(count)}
 
     held_out = problems(HELD_OUT, 100)

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from muse.multimodal.resample import resample
+from muse.train.data.arithmetic import Problem, worked_reasoning
 from muse.train.data.split import SPLITS, TRAIN, draw_from_split, split_items
 from muse.train.data.vision_tasks import _messages
 
@@ -219,6 +220,9 @@ def _operands(rng: random.Random) -> tuple[int, str, int]:
     return a, operator, b
 
 
+OPERATIONS = {"+": "add", "-": "sub", "*": "mul"}
+
+
 def _problem_key(problem: tuple[int, str, int]) -> str:
     a, operator, b = problem
     return f"spoken/{a}{operator}{b}"
@@ -229,7 +233,10 @@ def _arithmetic(rng: random.Random, split: str) -> Utterance:
     a, operator, b = draw_from_split(lambda: _operands(rng), _problem_key, split)
     result = {"+": a + b, "-": a - b, "*": a * b}[operator]
     text = rng.choice(SPOKEN_SUMS[operator]).format(a=number_words(a), b=number_words(b))
-    reasoning = f"The audio says: {text}. {a}{operator}{b}={result}."
+    # Worked in columns as the text arithmetic task does: a result written in one step is
+    # where run 4 slipped ("ten minus one. 10-1=1").
+    worked = worked_reasoning(Problem(OPERATIONS[operator], a, b))
+    reasoning = f"The audio says: {text}. {a}{operator}{b}: {worked}"
     return Utterance("arithmetic", text, str(result), reasoning)
 
 
