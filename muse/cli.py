@@ -21,18 +21,12 @@ def resolve_config(preset_or_path: str) -> MuseSparkConfig:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from muse.distributed.config import ParallelConfig
     from muse.info import format_info, model_info
     from muse.parallel_plan import format_plan, parallel_plan
 
     config = resolve_config(args.model)
     info = model_info(config, context=args.context, kv_dtype=args.kv_dtype)
-    parallel = ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        prefill_context_parallel_size=args.prefill_context_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel)
+    parallel = _parallel_from(args)
     plan = parallel_plan(config, parallel, context=args.context, weight_dtype=args.dtype,
                          kv_dtype=args.kv_dtype, gpu_memory_gib=args.gpu_memory_gib,
                          gpu_memory_utilization=args.gpu_memory_utilization)
@@ -40,6 +34,57 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(json.dumps(info.to_dict() | {"parallel": plan.to_dict()}, indent=2))
     else:
         print(format_info(info) + "\n" + format_plan(plan))
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parallel layout's flags (vLLM's names), as `muse serve` takes them."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs each layer's heads, MLP widths and vocabulary are split over")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="pipeline stages, each holding an equal run of layers")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="replicas of the attention and dense weights, each serving its "
+                             "own sequences")
+    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+                        help="GPUs a sequence's tokens (and KV cache) are spread over")
+    parser.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                        help="hold whole experts, split over the data x prefill-context x "
+                             "tensor parallel GPUs of a stage, instead of splitting each expert "
+                             "over TP (default: off)")
+
+
+def _parallel_from(args: argparse.Namespace):
+    from muse.distributed.config import ParallelConfig
+
+    return ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from muse.plan.gpus import GPUS
+    from muse.plan.projection import project
+    from muse.plan.report import format_projection
+
+    parallel = _parallel_from(args)
+    parallel.validate()
+    if args.num_gpus != parallel.world_size:
+        raise SystemExit(f"muse plan: error: --num-gpus {args.num_gpus} is not the layout's "
+                         f"{parallel.world_size} GPUs (TP x PP x DP x PCP)")
+    try:
+        concurrency = tuple(int(level) for level in args.concurrency.split(","))
+        projection = project(
+            resolve_config(args.model), parallel, GPUS[args.gpu], args.weight_format,
+            args.kv_cache_dtype, args.context, concurrency, args.gpu_memory_utilization,
+            args.memory_efficiency, args.compute_efficiency, args.num_speculative_tokens,
+            args.acceptance_length)
+    except ValueError as error:
+        raise SystemExit(f"muse plan: error: {error}") from None
+    print(json.dumps(projection.to_dict(), indent=2) if args.json
+          else format_projection(projection))
 
 
 def cmd_init(args: argparse.Namespace) -> None:
@@ -239,19 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV-cache dtype of the byte figures")
     info.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                       help="weight dtype of the per-GPU byte figures (default: the config's)")
-    info.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                      help="GPUs each layer's heads, MLP widths and vocabulary are split over")
-    info.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                      help="pipeline stages, each holding an equal run of layers")
-    info.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                      help="replicas of the attention and dense weights, each serving its own "
-                           "sequences")
-    info.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
-                      help="GPUs a sequence's tokens (and KV cache) are spread over")
-    info.add_argument("--enable-expert-parallel", "-ep", action="store_true",
-                      help="hold whole experts, split over the data x prefill-context x tensor "
-                           "parallel GPUs of a stage, instead of splitting each expert over TP "
-                           "(default: off)")
+    _add_layout_arguments(info)
     info.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="memory of one GPU in GiB (an H200 has about 140): adds the KV "
                            "budget and the tokens and sequences that fit (default: none, not "
@@ -261,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true",
                       help="machine-readable output (default: off, a table)")
     info.set_defaults(func=cmd_info)
+
+    _add_plan_parser(sub)
 
     init = sub.add_parser("init", help="write a seeded random checkpoint of a preset",
                           formatter_class=DefaultsHelpFormatter)
@@ -389,6 +424,43 @@ def cmd_router(args: argparse.Namespace) -> None:
     from muse.router.launch import run_router
 
     run_router(args)
+
+
+def _add_plan_parser(sub) -> None:
+    from muse.plan.gpus import GPUS
+    from muse.plan.projection import (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, WEIGHT_FORMATS)
+
+    plan = sub.add_parser("plan", help="memory per GPU and projected speeds of a model on a "
+                          "GPU fleet (docs/performance.md, \"muse plan\")",
+                          formatter_class=DefaultsHelpFormatter)
+    plan.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder")
+    plan.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="the GPU model")
+    plan.add_argument("--num-gpus", type=int, default=1,
+                      help="GPUs in all: TP x PP x DP x PCP of the layout")
+    _add_layout_arguments(plan)
+    plan.add_argument("--weight-format", choices=sorted(WEIGHT_FORMATS), default="bf16",
+                      help="format of the linear layers' weights")
+    plan.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
+                      help="KV-cache storage")
+    plan.add_argument("--context", type=int, default=8192,
+                      help="tokens of each sequence's context")
+    plan.add_argument("--concurrency", default="1,128",
+                      help="comma-separated numbers of sequences decoding at once")
+    plan.add_argument("--num-speculative-tokens", type=int, default=0,
+                      help="drafts verified a step (speculative decoding; 0: none)")
+    plan.add_argument("--acceptance-length", type=float, default=1.0,
+                      help="tokens a step emits on average with speculation")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="fraction of a GPU's memory for weights and KV cache")
+    plan.add_argument("--memory-efficiency", type=float, default=MEMORY_EFFICIENCY,
+                      help="fraction of the HBM bandwidth a decode step reaches (measured on "
+                           "the H200 with a proxy shape)")
+    plan.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
+                      help="fraction of the datasheet dense rate the GEMMs reach (measured on "
+                           "the H200 with a proxy shape)")
+    plan.add_argument("--json", action="store_true",
+                      help="machine-readable output (default: off, a table)")
+    plan.set_defaults(func=cmd_plan)
 
 
 def main(argv: list[str] | None = None) -> None:
