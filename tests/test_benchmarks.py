@@ -240,3 +240,26 @@ def test_quantized_speed_json(tmp_path):
     for row in (bf16, fp4):
         assert positive(row["decode_tok_s"]) and positive(row["throughput_tok_s"])
         assert row["kv_tokens_fp8"] >= row["kv_tokens"] > 0
+
+
+def test_real_size_json(tmp_path):
+    from benchmarks import real_size
+    from muse.presets import PRESETS
+
+    out = tmp_path / "real-size.json"
+    record = real_size.main(["--preset", "muse-spark-tiny", "--device", "cpu", "--dtype",
+                             "float32", "--batches", "1,4", "--context", "48", "--prefill",
+                             "48", "--decode-steps", "2", "--kv-cache-memory-bytes",
+                             str(32 * 2**20), "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "real_size"
+    assert {"date", "torch", "git_commit"} <= set(record["environment"])
+    assert set(record["decode_per_layer"]) == {"1", "4"}
+    for runs in record["runs"].values():  # each model's own step times
+        assert all(positive(s) for s in runs["decode_step_s"].values())
+        assert positive(runs["prefill_s"])
+    assert all(positive(cell["roofline_s"]) for cell in record["decode_per_layer"].values())
+    assert not any(name.endswith("-layers") for name in PRESETS)  # the cut models are gone
+    # The cut models: the preset's layer shapes, sliding and global in turn.
+    cut = real_size.cut_config("muse-spark-open-816b-a42b", 4).text_config
+    assert cut.hidden_size == 8192 and cut.num_experts == 256
+    assert cut.layer_types == ["sliding_attention", "full_attention"] * 2
