@@ -117,11 +117,14 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                            kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     rng = np.random.default_rng(0)
     try:
-        return {"engine": info,
-                "decode_step_s": {str(batch): decode_step_s(llm, batch, args.context,
-                                                            args.decode_steps, rng)
-                                  for batch in args.batches},
-                "prefill_s": prefill_s(llm, args.prefill, rng)}
+        steps = {}
+        for batch in args.batches:
+            steps[str(batch)] = decode_step_s(llm, batch, args.context, args.decode_steps, rng)
+            print(f"{name}: decode step at batch {batch}: {steps[str(batch)] * 1e3:.3f} ms",
+                  flush=True)  # as it comes: a run cut short still reports
+        prefill = prefill_s(llm, args.prefill, rng)
+        print(f"{name}: prefill of {args.prefill} tokens: {prefill * 1e3:.2f} ms", flush=True)
+        return {"engine": info, "decode_step_s": steps, "prefill_s": prefill}
     finally:
         llm.shutdown()
         del llm
