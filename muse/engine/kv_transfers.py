@@ -16,15 +16,18 @@ Then the forward pass may overwrite the GPU blocks the saves read.
 
 from __future__ import annotations
 
-import msgspec
+from dataclasses import dataclass, field
 
 
-class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True):
-    disk_saves: list[tuple[str, int, str]] = []  # (kind, host slot, key hex)
-    saves: list[tuple[str, int, int]] = []  # (kind, GPU block, host slot)
-    loads: list[tuple[str, int, int]] = []  # (kind, host slot, GPU block)
-    disk_loads: list[tuple[str, str, int]] = []  # (kind, key hex, GPU block)
-    disk_drops: list[tuple[str, str]] = []  # (kind, key hex)
+# A dataclass (msgspec encodes it inside the step message), so the engine needs no msgspec
+# with one rank.
+@dataclass
+class KVTransfers:
+    disk_saves: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, slot, key)
+    saves: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, block, slot)
+    loads: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, slot, block)
+    disk_loads: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, key, block)
+    disk_drops: list[tuple[str, str]] = field(default_factory=list)  # (kind, key hex)
 
     def __bool__(self) -> bool:
         return bool(self.disk_saves or self.saves or self.disk_loads or self.loads
