@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from muse.config import FULL, SLIDING, MuseSparkConfig
+from muse.disagg.config import KVTransferConfig
+from muse.disagg.kv_export import KVExporter
+from muse.disagg.kv_import import KVImporter, check_kv_transfer_params
+from muse.disagg.transport import KVTransferError
 from muse.engine.args import EngineArgs
 from muse.engine.cuda_graphs import DecodeGraphs
 from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
 from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.metadata import HostBatch
 from muse.engine.rank_memory import shared_kv_budget
-from muse.disagg.config import KVTransferConfig
-from muse.disagg.kv_export import KVExporter
-from muse.disagg.kv_import import KVImporter, check_kv_transfer_params
-from muse.disagg.transport import KVTransferError
 from muse.engine.host_kv_store import HostKVStore
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.kv_offload import DiskIndex, KVOffload, disk_tier_root, host_blocks, shard_name
@@ -534,17 +534,17 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")
-        pull = None
         if kv_transfer_params is not None:
             check_kv_transfer_params(kv_transfer_params)
-            if kv_transfer_params.get("do_remote_prefill") and self.kv_importer is not None \
-                    and not media:
-                pull = self.kv_importer.start(kv_transfer_params, prompt_token_ids, cache_salt)
         spec = params.structured_output
         compiled = None
         if spec is not None:
             spec.check(self.args.max_grammar_bytes)
             compiled = self._grammar_jobs().cache.get(spec.grammar_key)
+        pull = None  # valid so far: the prompt's blocks may be pulled
+        if kv_transfer_params is not None and kv_transfer_params.get("do_remote_prefill") \
+                and self.kv_importer is not None and not media:
+            pull = self.kv_importer.start(kv_transfer_params, prompt_token_ids, cache_salt)
         samples = []
         for index in range(params.n):
             samples.append(Request(
