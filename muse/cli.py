@@ -71,6 +71,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     parallel = _parallel_from(args)
     parallel.validate()
+    memory_efficiency, compute_efficiency = args.memory_efficiency, args.compute_efficiency
+    if args.layer_timings is not None:
+        from muse.plan.projection import efficiencies_from_layer_timings
+
+        memory_efficiency, compute_efficiency = efficiencies_from_layer_timings(
+            json.loads(Path(args.layer_timings).read_text()))
     if args.num_gpus != parallel.world_size:
         raise SystemExit(f"muse plan: error: --num-gpus {args.num_gpus} is not the layout's "
                          f"{parallel.world_size} GPUs (TP x PP x DP x PCP)")
@@ -79,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         projection = project(
             resolve_config(args.model), parallel, GPUS[args.gpu], args.weight_format,
             args.kv_cache_dtype, args.context, concurrency, args.gpu_memory_utilization,
-            args.memory_efficiency, args.compute_efficiency, args.num_speculative_tokens,
+            memory_efficiency, compute_efficiency, args.num_speculative_tokens,
             args.acceptance_length)
     except ValueError as error:
         raise SystemExit(f"muse plan: error: {error}") from None
@@ -458,6 +464,10 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
                       help="fraction of the datasheet dense rate the GEMMs reach (measured on "
                            "the H200 with a proxy shape)")
+    plan.add_argument("--layer-timings", default=None, metavar="JSON",
+                      help="take both efficiencies from full-size layers measured by "
+                           "benchmarks/real_size.py (e.g. docs/results/performance/"
+                           "real-size-bf16-9c858ad.json) instead (default: none)")
     plan.add_argument("--json", action="store_true",
                       help="machine-readable output (default: off, a table)")
     plan.set_defaults(func=cmd_plan)

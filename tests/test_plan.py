@@ -89,3 +89,24 @@ def test_the_cli_prints_the_announced_layout_and_refuses_a_wrong_gpu_count():
     assert result["num_gpus"] == 8 and len(result["speeds"]) == 2
     wrong = subprocess.run(command[:8] + ["4"] + command[9:], capture_output=True, text=True)
     assert wrong.returncode != 0 and "--num-gpus 4" in wrong.stderr
+
+
+def test_efficiencies_come_from_measured_full_size_layers():
+    from pathlib import Path
+
+    from muse.plan.projection import efficiencies_from_layer_timings
+
+    path = Path(__file__).parent.parent / "docs/results/performance/real-size-bf16-9c858ad.json"
+    record = json.loads(path.read_text())
+    memory, compute = efficiencies_from_layer_timings(record)
+    # The batch-1 layer's share of a roofline at the measured 4.26 TB/s, as a share of the
+    # datasheet's 4.8; the prefill layer's at 790 TFLOP/s, of 989.
+    assert memory == pytest.approx(record["decode_per_layer"]["1"]["roofline_fraction"]
+                                   * 4.26 / 4.8)
+    assert compute == pytest.approx(record["prefill_per_layer"]["roofline_fraction"]
+                                    * 790 / 989)
+    config = get_preset(OPEN)
+    default = project(config, TP8_EP, GPUS["b300"], "nvfp4").speeds[0]
+    measured = project(config, TP8_EP, GPUS["b300"], "nvfp4", memory_efficiency=memory,
+                       compute_efficiency=compute).speeds[0]
+    assert measured.memory_s == pytest.approx(default.memory_s * 0.45 / memory)

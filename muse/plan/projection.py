@@ -28,9 +28,10 @@ the model; a data-parallel replica decodes `concurrency / dp` sequences a step.
 
 The default efficiencies are what this repository measured on the H200 with proxy shapes
 (docs/performance.md): batch-1 decode at 45% of the HBM roofline (Qwen3-30B-A3B shape,
-1K context, commit 9cc3543) and 8K prefill at 47% of the measured 790 TFLOP/s bf16 rate,
-37% of the datasheet 989. Real-size layer timings (`benchmarks/real_size.py`) replace them
-once measured.
+1K context, commit 9cc3543, end to end) and 8K prefill at 47% of the measured 790 TFLOP/s
+bf16 rate, 37% of the datasheet 989. `efficiencies_from_layer_timings` takes them instead
+from `benchmarks/real_size.py`'s full-size layers measured on the H200 (the layers alone,
+without the step's host work: an upper bound on what a whole step reaches).
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ MEMORY_EFFICIENCY = 0.45
 COMPUTE_EFFICIENCY = 0.375
 COLLECTIVE_LATENCY_S = 8e-6
 ACTIVATION_BYTES = 2  # bf16 hidden states between GPUs
+
+
+# The H200's datasheet figures, against which a measured fraction becomes an efficiency.
+H200_DATASHEET_BANDWIDTH = 4.8e12
+H200_DATASHEET_BF16_FLOPS = 989e12
+
+
+def efficiencies_from_layer_timings(record: dict) -> tuple[float, float]:
+    """(memory, compute) efficiency against datasheet figures from a `real_size.py` record:
+    the batch-1 decode layer's share of its roofline and the prefill layer's, each scaled
+    from the bandwidth and matmul rate the roofline used (measured on the H200) to the
+    datasheet's."""
+    machine = record["machine"]
+    decode = record["decode_per_layer"]["1"]["roofline_fraction"]
+    prefill = record["prefill_per_layer"]["roofline_fraction"]
+    return (min(1.0, decode) * machine["memory_bandwidth_Bps"] / H200_DATASHEET_BANDWIDTH,
+            min(1.0, prefill) * machine["matmul_flops"] / H200_DATASHEET_BF16_FLOPS)
 
 
 @dataclass(frozen=True)

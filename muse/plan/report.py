@@ -28,8 +28,8 @@ def format_projection(projection: Projection) -> str:
         + (f"fits, {projection.sequences_that_fit:,} sequences of this context per replica"
            if projection.fits else "DOES NOT FIT"),
         "projected (see `muse/plan/projection.py` for the model; efficiencies "
-        f"{projection.assumptions['memory_efficiency']:g} of HBM, "
-        f"{projection.assumptions['compute_efficiency']:g} of the dense rate):",
+        f"{projection.assumptions['memory_efficiency']:.2f} of HBM, "
+        f"{projection.assumptions['compute_efficiency']:.2f} of the dense rate):",
         f"  {'concurrency':>11} {'decode tok/s/user':>18} {'decode tok/s/GPU':>17} "
         f"{'step ms':>8} {'(mem':>6} {'compute':>8} {'comm)':>6} {'prefill tok/s/GPU':>18}",
     ]
