@@ -7,6 +7,7 @@ whose collectives are the identity, so layers call them unconditionally.
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,8 @@ from muse.distributed.group import GroupCoordinator
 from muse.distributed.layout import GROUP_KINDS, group_ranks
 
 BACKENDS = ("nccl", "gloo")
+# The least time the ranks of a world wait for each other to join (see `_rendezvous`).
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -49,14 +52,29 @@ def init_distributed(config: ParallelConfig, rank: int, init_method: str,
     device = _select_device(backend, rank, local_rank)
     timeout = timedelta(seconds=timeout_s)
     _restart_group_names()
-    dist.init_process_group(backend, init_method=init_method, world_size=config.world_size,
-                            rank=rank, timeout=timeout)
+    dist.init_process_group(backend, world_size=config.world_size, rank=rank, timeout=timeout,
+                            **_rendezvous(init_method, rank, config.world_size, timeout_s))
     try:
         groups = _build_groups(config, rank, backend, device, timeout)
     except BaseException:
         dist.destroy_process_group()
         raise
     _state = _State(config=config, groups=groups)
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, timeout_s: float
+                ) -> dict[str, object]:
+    """How the ranks find each other: for a tcp:// address, a TCPStore whose wait for the
+    other ranks is at least RENDEZVOUS_TIMEOUT_S, whatever the collectives' timeout. A short
+    `timeout_s` is there to notice a hung rank in a step; starting a rank (imports, loading
+    weights) can take longer on a busy machine, and a rank that dies while starting is
+    noticed by its process ending (`EngineCore._join_world`), not by this wait."""
+    parsed = urllib.parse.urlparse(init_method)
+    if parsed.scheme != "tcp":
+        return {"init_method": init_method}
+    store = dist.TCPStore(parsed.hostname, parsed.port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)))
+    return {"store": store}
 
 
 def _restart_group_names() -> None:
