@@ -54,14 +54,13 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parallel_from(args: argparse.Namespace):
+    """The layout of `_add_layout_arguments`' flags (named as ParallelConfig's fields)."""
+    import dataclasses
+
     from muse.distributed.config import ParallelConfig
 
-    return ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        prefill_context_parallel_size=args.prefill_context_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel)
+    return ParallelConfig(**{field.name: getattr(args, field.name)
+                             for field in dataclasses.fields(ParallelConfig)})
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

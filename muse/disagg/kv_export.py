@@ -15,24 +15,20 @@ import time
 import torch
 
 from muse.disagg.config import KVTransferConfig
+from muse.disagg.engine_kv import EngineKV
 from muse.disagg.transport import PairListener, PulledBlocks
-from muse.engine.host_kv_store import gather_blocks, layers_by_kind
-from muse.engine.kv_cache import KVCacheManager
+from muse.engine.host_kv_store import gather_blocks
 from muse.engine.prefix_keys import BlockKey
 
 
 class KVExporter:
-    def __init__(self, kv_cache: KVCacheManager,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_types: list[str],
-                 block_bytes: dict[str, int], config: KVTransferConfig) -> None:
-        self.kv_cache = kv_cache
-        self.kv_caches = kv_caches
-        self.layers = layers_by_kind(layer_types, kv_cache.groups)
+    def __init__(self, kv: EngineKV, config: KVTransferConfig) -> None:
+        self.kv = kv
         self.timeout_s = config.kv_transfer_timeout_s
-        kv_cache.hold_timeout_s = config.kv_transfer_timeout_s
+        kv.kv_cache.hold_timeout_s = config.kv_transfer_timeout_s
         self.jobs: queue.Queue = queue.Queue()
-        self.listener = PairListener(config.kv_ip, config.kv_port, list(kv_cache.groups),
-                                     block_bytes, self._pull, self.timeout_s)
+        self.listener = PairListener(config.kv_ip, config.kv_port, list(kv.kv_cache.groups),
+                                     kv.block_bytes, self._pull, self.timeout_s)
 
     def _pull(self, request_id: str, keys: list[BlockKey]) -> PulledBlocks:
         """On a transport thread: the engine's thread answers at its next `serve`."""
@@ -45,21 +41,22 @@ class KVExporter:
 
     def serve(self) -> None:
         """Answer the pulls waiting (call from the engine's thread, between steps)."""
-        self.kv_cache.expire_holds(time.monotonic())
+        kv_cache = self.kv.kv_cache
+        kv_cache.expire_holds(time.monotonic())
         while True:
             try:
                 request_id, keys, reply = self.jobs.get_nowait()
             except queue.Empty:
                 return
             pulled: PulledBlocks = {}
-            for kind, group in self.kv_cache.groups.items():
+            for kind, group in kv_cache.groups.items():
                 blocks = [group.index.lookup(key) for key in keys]
                 found = [block for block in blocks if block is not None]
-                data = gather_blocks(self.kv_caches, self.layers[kind], found).cpu() \
+                data = gather_blocks(self.kv.kv_caches, self.kv.layers[kind], found).cpu() \
                     if found else torch.zeros(0)
                 pulled[kind] = ([block is not None for block in blocks],
                                 data.contiguous().view(torch.uint8).reshape(len(found), -1))
-            self.kv_cache.release_hold(request_id)
+            kv_cache.release_hold(request_id)
             reply.put(pulled)
 
     def close(self) -> None:

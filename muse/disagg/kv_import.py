@@ -13,13 +13,11 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from muse.disagg.config import KVTransferConfig
+from muse.disagg.engine_kv import EngineKV
 from muse.disagg.transport import PairClient, PulledBlocks
 from muse.engine.errors import InvalidRequestError
-from muse.engine.host_kv_store import layers_by_kind, put_blocks
-from muse.engine.kv_cache import KVCacheManager
+from muse.engine.host_kv_store import put_blocks
 from muse.engine.prefix_keys import prompt_block_keys
 
 REMOTE_FIELDS = ("remote_host", "remote_port", "remote_request_id")
@@ -37,13 +35,9 @@ def check_kv_transfer_params(params: Any) -> None:
 
 
 class KVImporter:
-    def __init__(self, kv_cache: KVCacheManager,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_types: list[str],
-                 block_bytes: dict[str, int], config: KVTransferConfig) -> None:
-        self.kv_cache = kv_cache
-        self.kv_caches = kv_caches
-        self.layers = layers_by_kind(layer_types, kv_cache.groups)
-        self.client = PairClient(list(kv_cache.groups), block_bytes,
+    def __init__(self, kv: EngineKV, config: KVTransferConfig) -> None:
+        self.kv = kv
+        self.client = PairClient(list(kv.kv_cache.groups), kv.block_bytes,
                                  config.kv_transfer_timeout_s)
         # One transport thread: pulls go out one at a time, in arrival order.
         self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muse-kv-pull")
@@ -52,24 +46,20 @@ class KVImporter:
               cache_salt: str | None = None) -> Future:
         """Pull the prompt's blocks on the transport thread (the engine steps on meanwhile);
         the future's result goes to `enter`, its exception is a KVTransferError."""
-        keys = prompt_block_keys(prompt_token_ids, self.kv_cache.block_size, cache_salt)
+        keys = prompt_block_keys(prompt_token_ids, self.kv.kv_cache.block_size, cache_salt)
         return self.pulls.submit(lambda: (keys, self.client.pull(
             str(params["remote_host"]), int(params["remote_port"]),
             str(params["remote_request_id"]), keys)))
-
-    def pull(self, params: dict[str, Any], prompt_token_ids: list[int],
-             cache_salt: str | None = None) -> int:
-        """`start`, waited for, then `enter`."""
-        return self.enter(*self.start(params, prompt_token_ids, cache_salt).result())
 
     def enter(self, keys: list[bytes], pulled: PulledBlocks) -> int:
         """Put pulled blocks into fresh GPU blocks and the prefix index (on the engine's
         thread); returns how many blocks of the prompt the index now holds in its first
         kind."""
-        cache = self.kv_caches[0][0]
+        kv_cache, kv_caches, layers = self.kv.kv_cache, self.kv.kv_caches, self.kv.layers
+        cache = kv_caches[0][0]
         for kind, (present, data) in pulled.items():
-            group = self.kv_cache.groups[kind]
-            rows = data.view(cache.dtype).view(len(data), len(self.layers[kind]), 2,
+            group = kv_cache.groups[kind]
+            rows = data.view(cache.dtype).view(len(data), len(layers[kind]), 2,
                                                *cache.shape[1:])
             taken: list[tuple[int, int, bytes]] = []  # (row, block, key)
             row = 0
@@ -80,10 +70,10 @@ class KVImporter:
                     taken.append((row, group.pool.allocate(), key))
                 row += 1
             if taken:
-                put_blocks(self.kv_caches, self.layers[kind], [b for _, b, _ in taken],
+                put_blocks(kv_caches, layers[kind], [b for _, b, _ in taken],
                            rows[[r for r, _, _ in taken]].to(cache.device))
             for _, block, key in taken:
                 group.index.register(block, key)
                 group.pool.release(block)  # cached and free, as a finished request's
-        first = self.kv_cache.groups[next(iter(self.kv_cache.groups))].index
+        first = kv_cache.groups[next(iter(kv_cache.groups))].index
         return sum(1 for key in keys if first.lookup(key) is not None)

@@ -17,6 +17,7 @@ import torch
 
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.disagg.config import KVTransferConfig
+from muse.disagg.engine_kv import EngineKV
 from muse.disagg.kv_export import KVExporter
 from muse.disagg.kv_import import KVImporter, check_kv_transfer_params
 from muse.disagg.transport import KVTransferError
@@ -346,10 +347,10 @@ class EngineCore:
         config = KVTransferConfig.parse(self.args.kv_transfer_config)
         if config is None:
             return None, None
-        parts = (self.kv_cache, self.executor.worker.kv_caches, self.model.layer_types,
-                 self.block_bytes, config)
-        return (KVExporter(*parts) if config.is_producer else None,
-                KVImporter(*parts) if config.is_consumer else None)
+        kv = EngineKV.of(self.kv_cache, self.executor.worker.kv_caches, self.model.layer_types,
+                         self.block_bytes)
+        return (KVExporter(kv, config) if config.is_producer else None,
+                KVImporter(kv, config) if config.is_consumer else None)
 
     def serve_kv_pulls(self) -> None:
         """Answer decode instances' pulls of KV blocks (a prefill instance; call between
