@@ -4,8 +4,6 @@ projected speeds behave as the stated model says."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -78,17 +76,19 @@ def test_a_model_that_does_not_fit_says_so():
     assert project(get_preset(OPEN), TP8_EP, GPUS["b300"], "nvfp4").fits
 
 
-def test_the_cli_prints_the_announced_layout_and_refuses_a_wrong_gpu_count():
-    command = [sys.executable, "-m", "muse.cli", "plan", OPEN, "--gpu", "b300",
-               "--num-gpus", "8", "--tensor-parallel-size", "8", "--enable-expert-parallel",
-               "--weight-format", "nvfp4"]
-    table = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+def test_the_cli_prints_the_announced_layout_and_refuses_a_wrong_gpu_count(capsys):
+    from muse.cli import main
+
+    command = ["plan", OPEN, "--gpu", "b300", "--num-gpus", "8", "--tensor-parallel-size", "8",
+               "--enable-expert-parallel", "--weight-format", "nvfp4"]
+    main(command)
+    table = capsys.readouterr().out
     assert "8 x B300" in table and "fits" in table and "decode tok/s/user" in table
-    result = json.loads(subprocess.run(command + ["--json"], capture_output=True, text=True,
-                                       check=True).stdout)
+    main(command + ["--json"])
+    result = json.loads(capsys.readouterr().out)
     assert result["num_gpus"] == 8 and len(result["speeds"]) == 2
-    wrong = subprocess.run(command[:8] + ["4"] + command[9:], capture_output=True, text=True)
-    assert wrong.returncode != 0 and "--num-gpus 4" in wrong.stderr
+    with pytest.raises(SystemExit, match="--num-gpus 4"):
+        main(command[:5] + ["4"] + command[6:])
 
 
 def test_efficiencies_come_from_measured_full_size_layers():

@@ -35,7 +35,7 @@ def request_keys(prompt: list[int], **fields) -> list[bytes]:
 
 def test_the_same_prompt_has_the_same_keys_in_processes_with_other_hash_seeds():
     printed = set()
-    for seed in ("0", "1", "12345"):
+    for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         result = subprocess.run([sys.executable, "-c", KEYS_SCRIPT % (PROMPT,)], env=env,
                                 capture_output=True, text=True, check=True)
