@@ -25,8 +25,9 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
+# The slowest tests are listed at the end, to keep the suite within its time on a small CPU.
 test: $(VENV)/.installed-test
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest --durations=25
 
 # The OpenAI-compatible server on the default model at http://127.0.0.1:8000 .
 serve: $(VENV)/.installed
