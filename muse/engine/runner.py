@@ -95,11 +95,11 @@ class ModelRunner:
         if executor.has_other_ranks:
             from muse.engine.step_message import StepEncoder
 
-            self.step_encoder = StepEncoder(list(kv_cache.pools))
+            self.step_encoder = StepEncoder(list(kv_cache.groups))
 
     def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         kv_cache = self.kv_cache
-        return build_host_batch(list(kv_cache.pools), self.block_size, kv_cache.sliding_window,
+        return build_host_batch(list(kv_cache.groups), self.block_size, kv_cache.sliding_window,
                                 scheduled_entries(scheduled, kv_cache.block_tables))
 
     @staticmethod
