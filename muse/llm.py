@@ -14,6 +14,7 @@ from muse.engine.args import EngineArgs
 from muse.engine.data_parallel import make_engine
 from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
+from muse.lora.request import LoRARequest
 from muse.multimodal.media import (AUDIO_PART_TYPES, IMAGE_PART_TYPES, VIDEO_PART_TYPES,
                                    MediaError, MediaLimits, load_part)
 from muse.outputs import CompletionOutput, RequestOutput
@@ -24,6 +25,7 @@ PromptType = Union[str, list[int], dict[str, Any]]
 Message = dict[str, Any]
 # True: a bar when stderr is a terminal; False: none; a tqdm-like factory: always, its way.
 ProgressOption = Union[bool, Callable[..., Any]]
+LoRAOption = Union[LoRARequest, Sequence[Union[LoRARequest, None]], None]
 
 # Content part type -> media kind: parts whose URL or base64 data is fetched and decoded...
 URL_PART_KINDS = {**{t: "image" for t in IMAGE_PART_TYPES},
@@ -58,6 +60,19 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`)."""
         self.engine.reset_prefix_cache()
+
+    # ---- LoRA adapters (with enable_lora=True) -------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter now (or a loaded name's new weights: the next version)."""
+        self.engine.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        self.engine.remove_lora(lora_name)
+        return True
+
+    def list_loras(self) -> list[str]:
+        return [loaded.name for loaded in self.engine.list_loras()]
 
     # ---- prompts -------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -125,12 +140,15 @@ class LLM:
             outputs=[self._completion(s, d, group.thinking)
                      for s, d in zip(group.samples, group.detokenizers)],
             prompt_logprobs=first.prompt_logprobs if first.wants_prompt_logprobs else None,
-            num_cached_tokens=first.num_cached_tokens)
+            num_cached_tokens=first.num_cached_tokens,
+            lora_name=first.lora.name if first.lora is not None else None,
+            lora_version=first.lora.version if first.lora is not None else None)
 
     # ---- generation ----------------------------------------------------------------------
     def stream(self, prompts: PromptType | Sequence[PromptType],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-               *, delta: bool = False) -> Iterator[RequestOutput]:
+               *, delta: bool = False,
+               lora_request: LoRAOption = None) -> Iterator[RequestOutput]:
         """Yield a request's output every time it grows, until all are finished.
 
         By default each output is cumulative: `outputs[i].text`, `token_ids` and `logprobs`
@@ -139,25 +157,32 @@ class LLM:
         output (`cumulative_logprob` stays cumulative), so printing each piece with
         `end=""` prints the whole text once.
         """
-        return self._stream(prompts, sampling_params, delta=delta, thinking=None)
+        return self._stream(prompts, sampling_params, delta=delta, thinking=None,
+                            lora_request=lora_request)
 
     def _stream(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                delta: bool, thinking: bool | None) -> Iterator[RequestOutput]:
+                delta: bool, thinking: bool | None,
+                lora_request: LoRAOption = None) -> Iterator[RequestOutput]:
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError("give one lora_request, or one per prompt")
         groups: dict[str, _Group] = {}
         sent: dict[tuple[str, int], tuple[int, int]] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, adapter in zip(prompts, sampling_params, lora_request):
                 text, ids = self._prompt_ids(prompt)
                 group_id = str(next(self._ids))
                 extra = {key: prompt[key] for key in ("multi_modal_data", "cache_salt")
                          if isinstance(prompt, dict) and prompt.get(key) is not None}
-                samples = self.engine.add_request(group_id, ids, params, **extra)
+                samples = self.engine.add_request(group_id, ids, params, lora_request=adapter,
+                                                  **extra)
                 groups[group_id] = _Group(text, samples,
                                           [self._detokenizer(params, thinking) for _ in samples],
                                           thinking)
@@ -177,25 +202,32 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: ProgressOption = True) -> list[RequestOutput]:
+                 use_tqdm: ProgressOption = True,
+                 lora_request: LoRAOption = None) -> list[RequestOutput]:
         """Final outputs in the order of the prompts.
+
+        `lora_request`: the adapter to run with (`LoRARequest(name, id, path)`, one for all
+        prompts or one per prompt; None: the base model). A name's adapter is read once; a
+        new `lora_int_id` or path for a name loads its new weights.
 
         `use_tqdm`: True shows a progress bar on stderr when it is a terminal (so logs and
         pipes stay clean); False never; a tqdm-like factory such as `tqdm.tqdm` always shows
         the bar it makes.
         """
-        return self._generate(prompts, sampling_params, use_tqdm, thinking=None)
+        return self._generate(prompts, sampling_params, use_tqdm, thinking=None,
+                              lora_request=lora_request)
 
     def _generate(self, prompts: PromptType | Sequence[PromptType],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  use_tqdm: ProgressOption, thinking: bool | None) -> list[RequestOutput]:
+                  use_tqdm: ProgressOption, thinking: bool | None,
+                  lora_request: LoRAOption = None) -> list[RequestOutput]:
         prompts = _prompt_list(prompts)
         bar = _progress_bar(use_tqdm, total=len(prompts))
         num_output_tokens = 0
         final: dict[str, RequestOutput] = {}
         try:
             for output in self._stream(prompts, sampling_params, delta=False,
-                                       thinking=thinking):
+                                       thinking=thinking, lora_request=lora_request):
                 final[output.request_id] = output
                 if bar is not None and not bar.disable and output.finished:
                     num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
@@ -214,6 +246,7 @@ class LLM:
              add_generation_prompt: bool = True, use_tqdm: ProgressOption = True,
              chat_template_kwargs: dict[str, Any] | None = None,
              media_limits: MediaLimits | None = None,
+             lora_request: LoRAOption = None,
              **template_kwargs: Any) -> list[RequestOutput]:
         """Replies to one conversation or a list of them.
 
@@ -250,7 +283,8 @@ class LLM:
             prompts.append(prompt)
         # The template only closes the think block when it opens the assistant's turn.
         thinking = bool(template_kwargs.get("enable_thinking", True)) or not add_generation_prompt
-        return self._generate(prompts, sampling_params, use_tqdm, thinking=thinking)
+        return self._generate(prompts, sampling_params, use_tqdm, thinking=thinking,
+                              lora_request=lora_request)
 
 
 def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = ""

@@ -34,6 +34,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # The LoRA adapter's name and version the request ran with (None: the base model): the
+    # weight version a rollout was sampled with.
+    lora_name: str | None = None
+    lora_version: int | None = None
 
     @property
     def finished(self) -> bool:

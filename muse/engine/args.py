@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,13 @@ class EngineArgs:
     speculative_config: Any = None
     # Prefill / decode disaggregation (vLLM's `--kv-transfer-config`; muse.disagg.config).
     kv_transfer_config: Any = None
+    # LoRA adapters (vLLM's names; muse.lora): slots for `max_loras` adapters resident at once,
+    # of ranks up to `max_lora_rank`; `lora_modules` ("name=path" or {"name", "path"}) are
+    # loaded at start-up.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: list = field(default_factory=list)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -189,6 +196,7 @@ class EngineArgs:
         self._validate_parallel()
         from muse.speculative.config import SpeculativeConfig
 
+        self._validate_lora()
         if SpeculativeConfig.parse(self.speculative_config) is not None \
                 and self.parallel_config().world_size > 1:
             raise ValueError("`speculative_config` runs on one rank so far: use it without "
@@ -201,6 +209,25 @@ class EngineArgs:
             if value != AUTO and value not in registry:
                 raise ValueError(f"`{name}` must be {AUTO!r} or one of {sorted(registry)}, "
                                  f"got {value!r}")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("`lora_modules` needs `enable_lora`")
+            return
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.parallel_config().world_size > 1:
+            raise ValueError("`enable_lora` runs on one rank so far: use it without tensor, "
+                             "pipeline, data or context parallelism")
+        if self.kv_transfer_config is not None:
+            raise ValueError("`enable_lora` with `kv_transfer_config` is not supported yet")
+        from muse.lora.request import parse_lora_module
+
+        for module in self.lora_modules:
+            parse_lora_module(module)
 
     def _validate_kv_offload(self) -> None:
         from muse.engine.kv_offload import WRITE_POLICIES

@@ -47,13 +47,14 @@ class DataParallelEngine:
                     params: SamplingParams,
                     multi_modal_data: dict[str, Any] | None = None,
                     cache_salt: str | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    lora_request: Any = None) -> list[Request]:
         if request_id in self.owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=lambda r: len(r.requests))
         samples = replica.add_request(request_id, prompt_token_ids, params, multi_modal_data,
-                                      cache_salt, kv_transfer_params)
+                                      cache_salt, kv_transfer_params, lora_request)
         self.owner[request_id] = replica
         return samples
 
@@ -73,6 +74,17 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> None:
         for replica in self.replicas:
             replica.reset_prefix_cache()
+
+    # LoRA runs on one rank so far (`EngineArgs` refuses it with data parallelism): the first
+    # replica answers as an engine without adapters does.
+    def add_lora(self, lora_request: Any) -> Any:
+        return self.replicas[0].add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.replicas[0].remove_lora(lora_name)
+
+    def list_loras(self) -> list:
+        return []
 
     def serve_kv_pulls(self) -> None:
         for replica in self.replicas:

@@ -58,6 +58,9 @@ from muse.checkpoint.reader import CheckpointReader
 from muse.kernels.backends import select_backends
 from muse.model.loader import load_checkpoint, load_named_tensors
 from muse.presets import PRESETS, get_preset
+from muse.lora.manager import AdapterUse, LoadedAdapter, LoRAManager
+from muse.lora.peft_adapter import AdapterError
+from muse.lora.request import LoRARequest, parse_lora_module
 from muse.quantization.common import QuantOptions, quant_options
 from muse.quantization.config import load_quantization_config, quantization_of
 from muse.quantization.quantize import TensorSource, quantized_tensors
@@ -213,6 +216,7 @@ class EngineCore:
         self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype)
         self.config = self.model_config.text_config
         self.model = model.eval()
+        self.lora = self._lora_manager()
         self.tokenizer = load_tokenizer(args)
         self.encoders = self._media_encoders()
         # Made at start-up, so that a bad processor_config.json fails the engine, not a request.
@@ -509,13 +513,16 @@ class EngineCore:
                     params: SamplingParams,
                     multi_modal_data: dict[str, Any] | None = None,
                     cache_salt: str | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    lora_request: LoRARequest | str | None = None) -> list[Request]:
         """Validate and queue a request; its `n` samples share the prompt's KV.
 
         `multi_modal_data` (vLLM's shape): {"image": [...], "video": [...], "audio": [...]},
         one item (or a list) per kind, the k-th of a kind for the prompt's k-th placeholder of
         that kind; the prompt's placeholders are expanded (`muse.multimodal.processor`).
         `cache_salt` (vLLM's): only requests with the same salt share prefix-cache blocks.
+        `lora_request`: the adapter the request runs with (read and made resident now), or
+        the name of a loaded one.
         `kv_transfer_params` (disaggregation, as vLLM's): `do_remote_decode` on a prefill
         instance keeps the request's blocks for a decode instance to pull;
         `do_remote_prefill` with `remote_host`, `remote_port`, `remote_request_id` on a decode
@@ -537,6 +544,7 @@ class EngineCore:
                                       param="cache_salt")
         if kv_transfer_params is not None:
             check_kv_transfer_params(kv_transfer_params)
+        adapter = self._adapter_for(lora_request)
         spec = params.structured_output
         compiled = None
         if spec is not None:
@@ -555,7 +563,7 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids, sample_index=index,
                 parent=samples[0] if index else None,
                 generator=self._generator(params, index), media=media,
-                cache_salt=cache_salt, hold_kv_for_transfer=bool(
+                cache_salt=cache_salt, lora=adapter, hold_kv_for_transfer=bool(
                     kv_transfer_params and kv_transfer_params.get("do_remote_decode")
                     and self.kv_exporter is not None)))
         self.requests[request_id] = samples
@@ -684,6 +692,66 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: later requests compute their prompts afresh."""
         self.kv_cache.reset_prefix_cache()
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def _lora_manager(self) -> LoRAManager | None:
+        """The adapter slots (with `enable_lora`); `lora_modules` are read now, so a bad one
+        fails the start, and made resident when first used."""
+        args = self.args
+        if not args.enable_lora:
+            return None
+        manager = LoRAManager(self.model, args.max_loras, args.max_lora_rank, self.dtype,
+                              self.device)
+        for lora_int_id, module in enumerate(args.lora_modules, start=1):
+            name, path = parse_lora_module(module)
+            manager.add(LoRARequest(name, lora_int_id, path))
+        return manager
+
+    def _lora_slots_in_use(self) -> set[int]:
+        return {sample.lora.slot for samples in self.requests.values() for sample in samples
+                if sample.lora is not None}
+
+    def _checked_lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters: start it with "
+                                      "enable_lora (--enable-lora)", param="model")
+        return self.lora
+
+    def _adapter_for(self, lora_request: LoRARequest | str | None) -> AdapterUse | None:
+        if lora_request is None:
+            return None
+        manager = self._checked_lora()
+        try:
+            if isinstance(lora_request, str):
+                loaded = manager.get(lora_request)
+                if loaded is None:
+                    raise InvalidRequestError(f"no adapter named {lora_request!r} is loaded",
+                                              param="model")
+                manager.make_resident(loaded, self._lora_slots_in_use())
+                return loaded.use()
+            return manager.resolve(lora_request, self._lora_slots_in_use()).use()
+        except AdapterError as error:
+            raise InvalidRequestError(str(error), param="lora_request") from None
+
+    def add_lora(self, lora_request: LoRARequest) -> LoadedAdapter:
+        """Read an adapter (or new weights for a loaded name: the next version, used by every
+        step from now on, in-flight requests' included)."""
+        try:
+            return self._checked_lora().add(lora_request)
+        except AdapterError as error:
+            raise InvalidRequestError(str(error), param="lora_path") from None
+
+    def remove_lora(self, lora_name: str) -> None:
+        try:
+            self._checked_lora().remove(lora_name, self._lora_slots_in_use())
+        except KeyError:
+            raise InvalidRequestError(f"no adapter named {lora_name!r} is loaded",
+                                      param="lora_name", status=404) from None
+        except AdapterError as error:
+            raise InvalidRequestError(str(error), param="lora_name") from None
+
+    def list_loras(self) -> list[LoadedAdapter]:
+        return list(self.lora.adapters.values()) if self.lora is not None else []
 
     def _fork_siblings(self, parent: Request) -> None:
         for child in self.pending_siblings.pop(parent.request_id, []):

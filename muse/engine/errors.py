@@ -4,6 +4,7 @@
 class InvalidRequestError(ValueError):
     """A request cannot be served; the message names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status  # 404 for something named that does not exist

@@ -115,7 +115,9 @@ class KVCacheManager:
         keys = blocks.keys
         for index in range(len(keys), num_tokens // self.block_size):
             start, end = index * self.block_size, (index + 1) * self.block_size
-            extra = first_block_extra_keys(request.cache_salt) if index == 0 else ()
+            extra = first_block_extra_keys(
+                request.cache_salt, request.lora.cache_id if request.lora else None) \
+                if index == 0 else ()
             if request.media:
                 # Media tokens are the same placeholder ids for any content: their items'
                 # content hashes join the key, so only the same media share a block.

@@ -43,6 +43,9 @@ class HostBatch:
     media: list = field(default_factory=list)
     # Copies between the KV tiers made before the step (`muse.engine.kv_transfers`).
     kv_transfers: KVTransfers | None = None
+    # Each request's LoRA adapter slot (-1: the base model); None when no request of the step
+    # uses an adapter (such steps run as without LoRA, CUDA graphs included).
+    lora_slots: list[int] | None = None
 
     @classmethod
     def dummy(cls, kinds: list[str], num_tokens: int = 1, block_size: int = 1,
@@ -129,7 +132,9 @@ class HostBatch:
             tables={kind: tables[first:last + 1] for kind, tables in self.tables.items()},
             first_blocks={kind: blocks[first:last + 1]
                           for kind, blocks in self.first_blocks.items()},
-            dp_num_tokens=self.dp_num_tokens)
+            dp_num_tokens=self.dp_num_tokens,
+            lora_slots=self.lora_slots[first:last + 1] if self.lora_slots is not None
+            else None)
 
     def table_width(self, kind: str) -> int:
         return max(len(table) for table in self.tables[kind])
@@ -144,6 +149,8 @@ class HostBatch:
         for kind, width in widths.items():
             padded = [v for table in self.tables[kind] for v in table + [0] * (width - len(table))]
             parts += [self.slots[kind], self.first_blocks[kind], padded]
+        if self.lora_slots is not None:
+            parts.append(self.lora_slots)
         pieces = to_device([v for part in parts for v in part], device).split(
             [len(part) for part in parts])
         input_ids, positions, token_request, query_start, seq_lens = pieces[:5]
@@ -154,7 +161,8 @@ class HostBatch:
         meta = BatchMetadata(
             positions=positions, token_request=token_request, query_start=query_start,
             seq_lens=seq_lens, max_query_len=self.max_query_len, kinds=kinds,
-            block_size=block_size, dp_num_tokens=self.dp_num_tokens)
+            block_size=block_size, dp_num_tokens=self.dp_num_tokens,
+            lora_slots=pieces[-1] if self.lora_slots is not None else None)
         return input_ids, meta
 
 

@@ -85,6 +85,8 @@ class Request:
     # Separates this request's prefix-cache entries from those of other salts (vLLM's
     # `cache_salt`: tenants that must not share cached prompts).
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (`muse.lora.manager.AdapterUse`); None: the base model.
+    lora: Any = None
     # A prefill instance's request for a decode instance (`kv_transfer_params`
     # "do_remote_decode"): its blocks are held after it finishes, until pulled or timed out.
     hold_kv_for_transfer: bool = False

@@ -170,6 +170,9 @@ class ModelRunner:
         prepared.logits_rows.extend(sample_index)
         prepared.batch = self._host_batch(scheduled)
         prepared.batch.media = media
+        if any(item.request.lora is not None for item in scheduled):
+            prepared.batch.lora_slots = [item.request.lora.slot if item.request.lora else -1
+                                         for item in scheduled]
         prepared.batch.kv_transfers = self.kv_cache.take_transfers()
         if self.step_encoder is not None:
             prepared.delta = self.step_encoder.encode_bytes(

@@ -48,6 +48,8 @@ class BatchMetadata:
     # batch this step (MoE layers gather every rank's tokens); None otherwise.
     dp_num_tokens: list[int] | None = None
     context_parallel: ContextParallelMetadata | None = None
+    # [requests] each request's LoRA adapter slot (-1: none); None when no request uses one.
+    lora_slots: torch.Tensor | None = None
     # Views of this step a kernel derives once and every layer reuses (the Triton backend's
     # one-decode-per-token form of short queries), keyed by the kind's metadata.
     per_token: dict = field(default_factory=dict, repr=False, compare=False)

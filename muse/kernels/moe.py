@@ -60,13 +60,17 @@ from muse.kernels.w8a16 import Fp8Weight
 ExpertWeight = torch.Tensor | Fp4Weight | Fp8Weight
 # (rows, expert, "gate_up" | "down") -> the rows that projection multiplies.
 ActivationHook = Callable[[torch.Tensor, int, str], torch.Tensor]
+# (out float32 rows, their input rows, pair ids, top_k, expert, "gate_up" | "down"): adds a
+# LoRA adapter's deltas to a projection's output in place (`muse.lora.layers.ExpertsLoRA`).
+LoRAHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, str], None]
 
 
 def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                         gate_up: ExpertWeight, down: ExpertWeight,
                         norm_weight: torch.Tensor | None, eps: float,
                         reduce_pairs: PairReduce | None = None,
-                        activations: ActivationHook | None = None) -> torch.Tensor:
+                        activations: ActivationHook | None = None,
+                        lora: LoRAHook | None = None) -> torch.Tensor:
     """The plain PyTorch twin of `fused_experts_triton`, one matmul pair per used expert.
 
     It rounds where the kernels round: h in the activation dtype, everything after the second
@@ -74,6 +78,8 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
     FP4 and FP8 experts are dequantized and rounded to the activation dtype first.
     `activations(rows, expert, projection)`, when given, replaces each expert's input rows
     ("gate_up") and its h ("down") before their matmul (emulated activation quantization).
+    `lora`, when given, adds each pair's adapter delta to both projections' outputs (before
+    the SwiGLU and before the expert norm, where the adapted weights would act).
     """
     gate_up, down = dense_weight(gate_up, x.dtype), dense_weight(down, x.dtype)
     num_tokens, top_k = expert_ids.shape
@@ -93,10 +99,15 @@ def fused_experts_torch(x: torch.Tensor, weights: torch.Tensor, expert_ids: torc
         if activations is not None:
             rows = activations(rows, expert, "gate_up")
         gate_up_out = (rows @ gate_up[expert].t()).float()
+        if lora is not None:
+            lora(gate_up_out, rows, pairs, top_k, expert, "gate_up")
         h = (F.silu(gate_up_out[:, :inter]) * gate_up_out[:, inter:]).to(x.dtype)
         if activations is not None:
             h = activations(h, expert, "down")
-        y[pairs] = (h @ down[expert].t()).float()
+        down_out = (h @ down[expert].t()).float()
+        if lora is not None:
+            lora(down_out, h, pairs, top_k, expert, "down")
+        y[pairs] = down_out
     if reduce_pairs is not None:
         y = reduce_pairs(y)
     if norm_weight is not None:

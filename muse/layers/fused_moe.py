@@ -27,6 +27,7 @@ Two ways to shard, chosen by the parallel config:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -84,7 +85,9 @@ class FusedMoE(nn.Module):
         config = get_parallel_config()
         self.prefix = prefix
         # The MoE backend's experts function (muse.kernels.backends), fixed at build time.
-        self.experts_kernel = experts_kernel
+        self.backend_experts_kernel = experts_kernel
+        # LoRA adapters' slots (`muse.lora.layers.ExpertsLoRA`), attached when serving them.
+        self.lora = None
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -128,6 +131,15 @@ class FusedMoE(nn.Module):
             set_weight_attrs(self.norm_weight, weight_loader=self.weight_loader)
         else:
             self.register_parameter("norm_weight", None)
+
+    @property
+    def experts_kernel(self) -> Callable:
+        """What the quant methods call: the backend's kernel, or, in a step where tokens use
+        LoRA adapters, the plain experts path with the adapters' deltas inside it (they act
+        before the SwiGLU and the expert norm, where no fused kernel has a hook yet)."""
+        if self.lora is not None and self.lora.active():
+            return functools.partial(fused_experts_torch, lora=self.lora.hook)
+        return self.backend_experts_kernel
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:

@@ -69,6 +69,8 @@ class LinearBase(nn.Module):
         self.quant_method.create_weights(self, input_size_per_partition, output_partition_sizes,
                                          input_size, output_size, params_dtype,
                                          weight_loader=self.weight_loader)
+        # LoRA adapters' slots (`muse.lora.layers.LinearLoRA`), attached when serving them.
+        self.lora = None
         if bias:
             width = self.output_size_per_partition if bias_sharded else output_size
             self.bias = nn.Parameter(torch.empty(width, dtype=params_dtype), requires_grad=False)
@@ -94,6 +96,11 @@ class LinearBase(nn.Module):
             size = param.shape[dim]
             source = source.narrow(dim, self.tp_rank * size, size)
         copy_into(param.data, source, self._name(param))
+
+    def _adapted(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output plus the adapters' deltas of this step's tokens (a row-parallel layer's
+        partial sums get their partial deltas, reduced with them)."""
+        return self.lora.add(out, x) if self.lora is not None else out
 
     def _name(self, param: nn.Parameter) -> str:
         """The parameter's name for error messages (loaders get the object, not the name)."""
@@ -123,7 +130,7 @@ class ReplicatedLinear(LinearBase):
         copy_into(param.data, loaded, self._name(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._adapted(self.quant_method.apply(self, x, self.bias), x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -147,7 +154,7 @@ class ColumnParallelLinear(LinearBase):
         self._load_split(param, loaded, shard_id, "output_dim")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, self.bias)
+        out = self._adapted(self.quant_method.apply(self, x, self.bias), x)
         if self.gather_output and self.tp_size > 1:
             out = self.tp_group.all_gather(out, dim=-1)
         return out
@@ -303,7 +310,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = self.quant_method.apply(self, x, bias)
+        out = self._adapted(self.quant_method.apply(self, x, bias), x)
         if self.reduce_results and self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
         return out

@@ -121,6 +121,9 @@ class EngineModel(nn.Module):
         self.context_writer: Callable[[torch.Tensor, BatchMetadata], None] | None = None
         # `--calculate-kv-scales`: the next forward sets every layer's FP8 KV scales.
         self.kv_scales_pending = False
+        # Set by `muse.lora.manager.LoRAManager`: each forward tells the adapted layers which
+        # adapter slot each token uses.
+        self.lora_context = None
 
     def calculate_kv_scales_on_next_step(self) -> None:
         """The next forward's K/V set the FP8 KV scales of every layer, which stay fixed
@@ -185,6 +188,9 @@ class EngineModel(nn.Module):
             x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         rotary = self.rotary(meta.positions)
+        if self.lora_context is not None:
+            self.lora_context.indices = None if meta.lora_slots is None \
+                else meta.lora_slots[meta.token_request]
         captured = []
         for (index, layer), kv_cache in zip(self.model.layers.items(), kv_caches):
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)

@@ -18,23 +18,27 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 import muse
 from muse.server.chat import chat_completion
 from muse.server.completions import completion
-from muse.server.engine_client import EngineClient, EngineDeadError
+from muse.server.engine_client import EngineClient, EngineDeadError, RequestError
 from muse.server.errors import APIError, error_response, validation_error_response
-from muse.server.generation import GenerationState
+from muse.server.generation import GenerationState, generate
 from muse.server.json_body import parse_body
+from muse.server.messages import LoadLoRA, UnloadLoRA
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
+from muse.server.token_generate import GenerateRequest, generate_reply, plan_generate
 from muse.server.request_guards import BufferedBody, CountRequests, RequireAPIKey
 from muse.server.serving import (
     ServerOptions,
@@ -88,6 +92,7 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         if options.max_request_body_bytes is None:
             options.max_request_body_bytes = default_body_limit(client.ready.max_model_len,
                                                                 options.max_token_bytes)
+        options.lora_adapters = dict(client.ready.lora_adapters)
         stats_task = asyncio.create_task(log_stats_while_running(client, metrics, options))
         yield
         stats_task.cancel()
@@ -178,12 +183,64 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         finally:
             client.release(len(prompts) * body.n)
 
+    @app.post("/generate")
+    async def generate_tokens(request: Request):
+        body = await off_loop(parse_body, await request.body(), GenerateRequest)
+        prompt, params, lora_name = await off_loop(plan_generate, body, tokenizer, client.ready,
+                                                   options)
+        admit(params.n)
+        try:
+            request_id = body.rid or client.new_request_id("generate")
+            state = GenerationState()
+            request.state.generations = [state]
+
+            async def work():
+                updates: dict[int, list] = {i: [] for i in range(params.n)}
+                try:
+                    async for update in generate(client, tokenizer, request_id, prompt, params,
+                                                 metrics, state, lora_name=lora_name):
+                        updates[update.index].append(update)
+                except RequestError as error:
+                    raise APIError(error.status, str(error), param=error.param) from None
+                results = generate_reply(request_id, updates, state, body.return_logprob)
+                return results[0] if params.n == 1 else results
+
+            return await cancel_on_disconnect(request, work())
+        finally:
+            client.release(params.n)
+
     @app.get("/v1/models")
     async def models():
         require_engine()
-        return {"object": "list", "data": [{
-            "id": options.served_model_name, "object": "model", "created": 0,
-            "owned_by": "muse", "max_model_len": client.ready.max_model_len}]}
+        base = {"id": options.served_model_name, "object": "model", "created": 0,
+                "owned_by": "muse", "root": client.ready.model, "parent": None,
+                "max_model_len": client.ready.max_model_len}
+        adapters = [{**base, "id": name, "root": path, "parent": options.served_model_name}
+                    for name, path in options.lora_adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        require_engine()
+        body = await off_loop(parse_body, await request.body(), LoadLoRAAdapterRequest)
+        await change_lora(LoadLoRA(client.new_request_id("lora"), body.lora_name,
+                                   body.lora_path, body.load_inplace))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 f"successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        require_engine()
+        body = await off_loop(parse_body, await request.body(), UnloadLoRAAdapterRequest)
+        await change_lora(UnloadLoRA(client.new_request_id("lora"), body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 f"successfully.")
+
+    async def change_lora(command: LoadLoRA | UnloadLoRA) -> None:
+        try:
+            options.lora_adapters = await client.change_lora(command)
+        except RequestError as error:
+            raise APIError(error.status, str(error), param=error.param) from None
 
     def tokenize_body(raw: bytes) -> list[int]:
         body = parse_body(raw, TokenizeRequest)

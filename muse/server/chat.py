@@ -14,7 +14,8 @@ from muse.server.parsers.chat_output import ChatOutputParser, DeltaMessage
 from muse.server.protocol import ChatCompletionRequest
 from muse.server.responses import (ClosingStreamingResponse, chat_logprobs, first_then_rest,
                                    now, sse, stream_error, usage)
-from muse.server.serving import CHAT_HIDDEN_TOKEN_IDS, ChatPlan, ServerOptions
+from muse.server.serving import (CHAT_HIDDEN_TOKEN_IDS, ChatPlan, ServerOptions, lora_name_for,
+                                 response_model)
 
 
 def _finish_reason(reason: str | None, made_tool_calls: bool) -> str | None:
@@ -42,11 +43,12 @@ async def chat_completion(request: ChatCompletionRequest, plan: ChatPlan, client
                           request_id: str, state: GenerationState):
     updates = generate(client, tokenizer, request_id, plan.prompt_token_ids, plan.params,
                        metrics, state, CHAT_HIDDEN_TOKEN_IDS, plan.media, request.cache_salt,
-                       request.kv_transfer_params)
+                       request.kv_transfer_params, lora_name_for(request.model, options))
     _, updates = await first_then_rest(updates)
     parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.tools,
                                 plan.thinking) for _ in range(plan.params.n)]
-    head = {"id": request_id, "created": now(), "model": options.served_model_name}
+    head = {"id": request_id, "created": now(),
+            "model": response_model(request.model, options)}
     if request.stream:
         return ClosingStreamingResponse(
             _stream(request, plan, updates, parsers, tokenizer, state, head),

@@ -21,7 +21,7 @@ from muse.server.responses import (
     sse,
     stream_error,
 )
-from muse.server.serving import ServerOptions
+from muse.server.serving import ServerOptions, lora_name_for, response_model
 
 
 def _usage(states: list[GenerationState]) -> dict[str, Any]:
@@ -43,9 +43,11 @@ async def completion(request: CompletionRequest, prompts: list[list[int]],
             sampling.prompt_logprobs = request.logprobs
         updates = generate(client, tokenizer, f"{request_id}-{p}", prompt, sampling, metrics,
                            states[p], cache_salt=request.cache_salt,
-                           kv_transfer_params=request.kv_transfer_params)
+                           kv_transfer_params=request.kv_transfer_params,
+                           lora_name=lora_name_for(request.model, options))
         streams.append((await first_then_rest(updates))[1])
-    head = {"id": request_id, "created": now(), "model": options.served_model_name}
+    head = {"id": request_id, "created": now(),
+            "model": response_model(request.model, options)}
     echo_texts = [tokenizer.decode(p, skip_special_tokens=True) if request.echo else ""
                   for p in prompts]
     if request.stream:

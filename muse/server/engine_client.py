@@ -29,11 +29,14 @@ from muse.server.messages import (
     EngineReady,
     EngineStats,
     FromEngine,
+    LoadLoRA,
+    LoRAAdapters,
     MediaArray,
     RequestFailed,
     ResetPrefixCache,
     SampleDelta,
     Shutdown,
+    UnloadLoRA,
 )
 
 logger = logging.getLogger("muse.server")
@@ -81,7 +84,7 @@ class EngineClient:
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
-            if isinstance(message, (SampleDelta, RequestFailed)):
+            if isinstance(message, (SampleDelta, RequestFailed, LoRAAdapters)):
                 target = self.queues.get(message.request_id)
                 if target is not None:
                     target.put_nowait(message)
@@ -109,12 +112,31 @@ class EngineClient:
         """Clear the engine's prefix cache before any request submitted after this call."""
         self._submit(ResetPrefixCache())
 
+    async def change_lora(self, command: LoadLoRA | UnloadLoRA) -> dict[str, str]:
+        """Load or unload an adapter in the engine (between two of its steps); the adapters
+        it knows afterwards, name -> path. A refusal raises `RequestError`."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        target: asyncio.Queue = asyncio.Queue()
+        self.queues[command.request_id] = target
+        try:
+            self._submit(command)
+            message = await target.get()
+        finally:
+            del self.queues[command.request_id]
+        if isinstance(message, EngineDead):
+            raise EngineDeadError(message.message)
+        if isinstance(message, RequestFailed):
+            raise RequestError(message.message, message.param, message.status)
+        return message.adapters
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
                        media: list[MediaArray] | None = None, cache_salt: str | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[SampleDelta]:
+                       kv_transfer_params: dict | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample of one request until all are finished. `media`: the
         decoded media of the prompt's placeholders, in order; `cache_salt`: see
-        `Engine.add_request`.
+        `Engine.add_request`; `lora_name`: a loaded adapter to run with.
 
         Leaving early (a client that went away) aborts the request in the engine.
         """
@@ -126,7 +148,7 @@ class EngineClient:
         self.num_samples += params.n
         try:
             self._submit(AddRequest(request_id, prompt_token_ids, params, media or [],
-                                    cache_salt, kv_transfer_params))
+                                    cache_salt, kv_transfer_params, lora_name))
             while unfinished:
                 message = await target.get()
                 if isinstance(message, EngineDead):

@@ -16,15 +16,19 @@ from muse.engine.args import EngineArgs
 from muse.engine.data_parallel import Engine, make_engine
 from muse.engine.errors import InvalidRequestError
 from muse.engine.request import Request
+from muse.lora.request import LoRARequest
 from muse.server.messages import (
     AbortRequest,
     AddRequest,
     EngineReady,
     EngineStats,
+    LoadLoRA,
+    LoRAAdapters,
     RequestFailed,
     ResetPrefixCache,
     SampleDelta,
     Shutdown,
+    UnloadLoRA,
     multi_modal_data,
 )
 
@@ -104,7 +108,8 @@ class EngineLoop:
                            eos_token_ids=list(engine.eos_token_ids),
                            max_grammar_bytes=engine.args.max_grammar_bytes,
                            media_kinds=engine.replicas[0].media_kinds(),
-                           kv_producer=kv_producer_address(engine.args.kv_transfer_config))
+                           kv_producer=kv_producer_address(engine.args.kv_transfer_config),
+                           lora_adapters=self._lora_adapters())
 
     def _handle(self, command) -> list:
         if isinstance(command, AddRequest):
@@ -121,12 +126,39 @@ class EngineLoop:
             self.engine.abort(command.request_id)
         elif isinstance(command, ResetPrefixCache):
             self.engine.reset_prefix_cache()
+        elif isinstance(command, (LoadLoRA, UnloadLoRA)):
+            # Between two steps: a replaced adapter serves every step from the next one on.
+            try:
+                self._change_lora(command)
+            except InvalidRequestError as error:
+                return [self._failure(command.request_id, error)]
+            return [LoRAAdapters(command.request_id, self._lora_adapters())]
         return []
+
+    def _change_lora(self, command: LoadLoRA | UnloadLoRA) -> None:
+        engine = self.engine
+        if isinstance(command, UnloadLoRA):
+            engine.remove_lora(command.lora_name)
+            return
+        if command.lora_name in self._lora_adapters() and not command.load_inplace:
+            raise InvalidRequestError(f"the adapter {command.lora_name!r} is already loaded; "
+                                      f"set load_inplace to replace its weights",
+                                      param="lora_name")
+        known = {loaded.name: loaded for loaded in engine.list_loras()}
+        previous = known.get(command.lora_name)
+        lora_int_id = max((loaded.lora_int_id for loaded in known.values()), default=0) + 1
+        if previous is not None:
+            lora_int_id = max(lora_int_id, previous.lora_int_id + 1)
+        engine.add_lora(LoRARequest(command.lora_name, lora_int_id, command.lora_path))
+
+    def _lora_adapters(self) -> dict[str, str]:
+        return {loaded.name: loaded.path for loaded in self.engine.list_loras()}
 
     def _add(self, command: AddRequest) -> None:
         media = multi_modal_data(command.media) if command.media else None
         self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                media, command.cache_salt, command.kv_transfer_params)
+                                media, command.cache_salt, command.kv_transfer_params,
+                                command.lora_name)
 
     @staticmethod
     def _failure(request_id: str, error: InvalidRequestError) -> RequestFailed:
@@ -163,7 +195,7 @@ class EngineLoop:
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
-            else None)
+            else None, lora_version=request.lora.version if request.lora is not None else None)
 
     def run(self) -> None:
         last_stats = 0.0

@@ -34,6 +34,7 @@ class GenerationState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     texts: dict[int, str] = field(default_factory=dict)
     outcome: str | None = None  # set when the generation did not finish: "abort" or "error"
+    lora_version: int | None = None  # the adapter version it ran with (a rollout's)
 
 
 def kv_transfer_reply(client: EngineClient, request_params: dict | None, request_id: str
@@ -52,7 +53,8 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                    hidden_token_ids: frozenset[int] | None = None,
                    media: list[MediaArray] | None = None,
                    cache_salt: str | None = None,
-                   kv_transfer_params: dict | None = None) -> AsyncIterator[SampleUpdate]:
+                   kv_transfer_params: dict | None = None,
+                   lora_name: str | None = None) -> AsyncIterator[SampleUpdate]:
     """Updates of every sample until all finish; stop strings end a sample early.
 
     A generation left unfinished marks `state.outcome` "abort" (the client left) or "error";
@@ -65,7 +67,7 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
     unfinished = set(range(params.n))
     status = "abort"
     deltas = client.generate(request_id, prompt_token_ids, params, media, cache_salt,
-                             kv_transfer_params)
+                             kv_transfer_params, lora_name)
     try:
         async for delta in deltas:
             metrics.generation_tokens.inc(len(delta.token_ids))
@@ -76,6 +78,7 @@ async def generate(client: EngineClient, tokenizer, request_id: str, prompt_toke
                 metrics.time_to_first_token.observe(now - arrival)
                 state.num_prompt_tokens = delta.num_prompt_tokens
                 state.num_cached_tokens = delta.num_cached_tokens
+                state.lora_version = delta.lora_version
             elif delta.token_ids:
                 for _ in delta.token_ids:
                     metrics.inter_token_latency.observe((now - last_token_time)

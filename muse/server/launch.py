@@ -188,6 +188,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--speculative-config", default=None,
         help="speculative decoding as JSON, vLLM's names, e.g. '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 5}' (default: off)")
+    add("--enable-lora", action="store_true",
+        help="serve LoRA adapters: a request's `model` names one (default: off)")
+    add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="PEFT adapter folders to serve, as name=path or JSON {\"name\": ..., \"path\": "
+             "...}; more can be loaded at run time with POST /v1/load_lora_adapter")
+    add("--max-loras", type=int, default=1,
+        help="adapters resident on the device at once (others wait in host memory) "
+             "(default: %(default)s)")
+    add("--max-lora-rank", type=int, default=16,
+        help="the largest adapter rank served (default: %(default)s)")
     add("--attention-backend", default="auto",
         help="attention kernels by name: torch or triton (default: %(default)s: triton on "
              "CUDA)")
@@ -252,7 +262,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,
-        speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config)
+        speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
+        enable_lora=args.enable_lora, lora_modules=list(args.lora_modules),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def media_limits_from(args: argparse.Namespace) -> MediaLimits:

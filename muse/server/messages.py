@@ -86,6 +86,7 @@ class AddRequest(msgspec.Struct, tag=True):
     media: list[MediaArray] = []
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter (the request's `model`)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -100,6 +101,28 @@ class ResetPrefixCache(msgspec.Struct, tag=True):
     pass
 
 
+class LoadLoRA(msgspec.Struct, tag=True):
+    """Read a PEFT adapter folder under a name (`load_inplace`: replace a loaded name's
+    weights, the next version); answered by `LoRAAdapters` or `RequestFailed`."""
+
+    request_id: str
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRA(msgspec.Struct, tag=True):
+    request_id: str
+    lora_name: str
+
+
+class LoRAAdapters(msgspec.Struct, tag=True):
+    """The adapters the engine knows after a change: name -> path."""
+
+    request_id: str
+    adapters: dict[str, str]
+
+
 class SampleDelta(msgspec.Struct, tag=True):
     """New tokens of sample `index` of a request since the last delta."""
 
@@ -111,6 +134,7 @@ class SampleDelta(msgspec.Struct, tag=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    lora_version: int | None = None  # the adapter version the request runs with
 
 
 class RequestFailed(msgspec.Struct, tag=True):
@@ -157,11 +181,14 @@ class EngineReady(msgspec.Struct, tag=True):
     media_kinds: list[str] = []
     # A prefill instance's KV address (host, port) for `kv_transfer_params` replies.
     kv_producer: tuple[str, int] | None = None
+    # LoRA adapters loaded at start-up (`--lora-modules`): name -> path.
+    lora_adapters: dict[str, str] = {}
 
 
 class EngineDead(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
-FromEngine = list[SampleDelta | RequestFailed | EngineStats | EngineReady | EngineDead]
+ToEngine = AddRequest | AbortRequest | ResetPrefixCache | LoadLoRA | UnloadLoRA | Shutdown
+FromEngine = list[SampleDelta | RequestFailed | EngineStats | EngineReady | EngineDead
+                  | LoRAAdapters]

@@ -154,3 +154,17 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's `/v1/load_lora_adapter` body; `load_inplace` replaces a loaded name's weights
+    (the next version: how a trainer pushes a new adapter)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None  # accepted as vLLM does; the name decides

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +58,9 @@ class ServerOptions:
     # Most media parts of each kind in one request (--limit-mm-per-prompt).
     limit_mm_per_prompt: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
+    # The LoRA adapters the engine serves, name -> path: a request's `model` may name one
+    # (kept current by the load / unload routes).
+    lora_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
@@ -89,9 +92,20 @@ def invalid_request_as_400() -> Iterator[None]:
 
 def check_model(requested: str | None, options: ServerOptions) -> None:
     if requested is not None and requested != options.served_model_name \
-            and requested not in options.model_aliases:
+            and requested not in options.model_aliases \
+            and requested not in options.lora_adapters:
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")
+
+
+def lora_name_for(requested: str | None, options: ServerOptions) -> str | None:
+    """The adapter a request's `model` selects (vLLM's rule); None for the base model."""
+    return requested if requested in options.lora_adapters else None
+
+
+def response_model(requested: str | None, options: ServerOptions) -> str:
+    """The `model` of a response: the adapter's name when one ran, else the served name."""
+    return lora_name_for(requested, options) or options.served_model_name
 
 
 @dataclass(frozen=True)
@@ -301,6 +315,16 @@ def check_text_length(texts: list[str], ready: EngineReady, options: ServerOptio
 def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineReady,
             options: ServerOptions, logprobs: int | None) -> SamplingParams:
     prompt_field = "messages" if hasattr(request, "messages") else "prompt"
+    room = output_room(prompt, max_tokens, ready, prompt_field)
+    params = checked_params(lambda: request.sampling_params(max_tokens or room, logprobs),
+                            prompt, ready, prompt_field)
+    _check_logprobs_size(params, len(prompt), getattr(request, "echo", False), options)
+    return params
+
+
+def output_room(prompt: list[int], max_tokens: int | None, ready: EngineReady,
+                prompt_field: str, max_tokens_field: str = "max_tokens") -> int:
+    """The tokens the output may have after `prompt`; a 400 when `max_tokens` asks more."""
     if len(prompt) >= ready.max_model_len:
         raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's maximum context "
                             f"length is {ready.max_model_len} tokens, prompt and output "
@@ -308,16 +332,22 @@ def _params(request, prompt: list[int], max_tokens: int | None, ready: EngineRea
     room = ready.max_model_len - len(prompt)
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {ready.max_model_len} "
-                            f"tokens; the prompt has {len(prompt)} and max_tokens asks for "
-                            f"{max_tokens}", param="max_tokens", code="context_length_exceeded")
+                            f"tokens; the prompt has {len(prompt)} and {max_tokens_field} asks "
+                            f"for {max_tokens}", param=max_tokens_field,
+                       code="context_length_exceeded")
+    return room
+
+
+def checked_params(make: Callable[[], SamplingParams], prompt: list[int], ready: EngineReady,
+                   prompt_field: str) -> SamplingParams:
+    """The prompt's token ids and the sampling parameters `make` builds, checked (400s)."""
     try:
         validate_prompt(prompt, ready.vocab_size, ready.max_model_len)
-        params = request.sampling_params(max_tokens or room, logprobs)
+        params = make()
         params.validate(ready.vocab_size)
     except InvalidRequestError as error:
         param = prompt_field if error.param == "prompt" else error.param
         raise APIError(400, str(error), param=param, code="invalid_value") from None
-    _check_logprobs_size(params, len(prompt), getattr(request, "echo", False), options)
     return params
 
 

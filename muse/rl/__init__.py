@@ -1,0 +1,1 @@
+"""GRPO training pieces: loss math, rewards, tool environment and task generators."""
