@@ -10,38 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 peft = pytest.importorskip("peft")
 
 from muse import LLM, SamplingParams  # noqa: E402
 from muse.lora import LoRARequest  # noqa: E402
-from muse.presets import get_preset  # noqa: E402
-from muse.reference.model import MuseForCausalLM  # noqa: E402
 from tests.live_server import MODEL, LiveServer, start_server, stop_server  # noqa: E402
+from tests.lora.helpers import muse_adapter  # noqa: E402
 
 PROMPT = [11, 200, 37, 5, 99, 140, 7, 64]
 TOKENS = 10
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "pooler", "unpooler"]
-
-
-def muse_adapter(directory: Path, seed: int) -> Path:
-    """A random adapter on the tiny preset's reference model, saved by peft."""
-    torch.manual_seed(seed)
-    model = MuseForCausalLM(get_preset(MODEL).text_config)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False,
-                             target_parameters=["mlp.experts.gate_up_proj",
-                                                "mlp.experts.down_proj"])
-    adapted = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.5 * torch.randn_like(param))
-    adapted.save_pretrained(str(directory))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
