@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from muse.chat_format import THINK_END_TOKEN, THINK_START_TOKEN
 from muse.rl.tool_env import ToolEnvironment, reply_tool_calls
+from muse.rl.unseen_tool_tasks import unseen_tool_reward
 
 # An optionally negative number, thousands separated by commas or not, maybe with decimals.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -86,11 +87,12 @@ def tool_call_reward(completion: str, task: dict[str, Any]) -> float:
 
 
 BUILTIN_REWARDS: dict[str, Reward] = {"arithmetic": arithmetic_reward,
-                                      "tool_call": tool_call_reward}
+                                      "tool_call": tool_call_reward,
+                                      "unseen_tool_call": unseen_tool_reward}
 
 
 def load_reward(spec: str) -> Reward:
-    """A built-in reward by name ("arithmetic", "tool_call") or a callable given as
+    """A built-in reward by name (one of BUILTIN_REWARDS) or a callable given as
     "package.module:function", imported."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]

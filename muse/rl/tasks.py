@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from muse.rl.tool_env import ToolEnvironment, convert_units
+from muse.rl.unseen_tool_tasks import unseen_tool_tasks
 from muse.train.data import arithmetic
 from muse.train.data.split import HELD_OUT, TRAIN, draw_from_split
 
@@ -136,7 +137,7 @@ def tool_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict[str, An
 
 
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "addition": addition_tasks, "tools": tool_tasks}
+    "addition": addition_tasks, "tools": tool_tasks, "unseen_tools": unseen_tool_tasks}
 
 
 def load_tasks(name: str, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:

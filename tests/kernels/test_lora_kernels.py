@@ -137,12 +137,13 @@ def test_empty_batch_and_argument_checks() -> None:
 # --- the Triton kernels -----------------------------------------------------------------------
 
 KERNEL_CASES = [
-    # (rows, K, the fused output's parts N, R per part, slots, strided y and x)
+    # (rows, K, the fused output's parts N, R per part, slots, strided y and x); the block
+    # sizes are those `lora_triton` picks for decode (up to 16 rows) and larger batches.
     (0, 37, (45,), 8, 3, False),
-    (1, 37, (7,), 1, 2, False),
-    (5, 100, (45, 13, 13), 5, 4, True),  # q/k/v; 3 x 5 ranks padded to 16
-    (33, 600, (200, 24, 24), 16, 4, False),  # 3 K steps, 2 N tiles for q
-    (5, 33, (20,), 64, 3, True),
+    (1, 4100, (7,), 1, 2, False),  # 2 K steps of 4096
+    (5, 100, (45, 13, 13), 5, 4, True),  # q/k/v: 3 x 5 ranks in 8 blocks of 2
+    (33, 600, (300,), 16, 4, False),  # 2 K steps of 512, 2 rank blocks, 2 N tiles of 256
+    (5, 33, (150,), 64, 3, True),  # 3 N tiles of 64
 ]
 
 
@@ -333,11 +334,11 @@ for rank, indices in ((8, "*i32"), (64, "*i64")):
     compile_for_hopper(
         lora_triton._lora_shrink_kernel,
         dict(x_ptr="*bf16", a_ptr="*bf16", indices_ptr=indices, u_ptr="*fp32"),
-        dict(K=4096, RANK=rank, RANK_PAD=pad, BLOCK_K=min(512, 4096 // pad)))
+        dict(K=4096, RANK=rank, BLOCK_R=2, BLOCK_K=2048))
     compile_for_hopper(
         lora_triton._lora_expand_kernel,
         dict(y_ptr="*bf16", u_ptr="*fp32", b_ptr="*bf16", indices_ptr=indices),
-        dict(N=4096, RANK=rank, RANK_PAD=pad, BLOCK_N=min(128, 4096 // pad)))
+        dict(N=4096, RANK=rank, RANK_PAD=pad, BLOCK_N=min(256, 8192 // pad)))
 print("compiled")
 """
 
