@@ -204,6 +204,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     run_from_args(args)
 
 
+def cmd_train_grpo(args: argparse.Namespace) -> None:
+    from muse.rl.trainer import run_from_args
+
+    run_from_args(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from muse.eval.run import run_from_args
 
@@ -377,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers; see docs/training.md", formatter_class=DefaultsHelpFormatter)
     add_drafter_arguments(drafter)
     drafter.set_defaults(func=cmd_train_drafter)
+    from muse.rl.trainer_options import add_arguments as add_grpo_arguments
+
+    grpo = train_sub.add_parser(
+        "grpo", help="train a LoRA adapter with GRPO on rollouts by the engine (torchrun for "
+                     "FSDP2 over several processes)", formatter_class=DefaultsHelpFormatter)
+    add_grpo_arguments(grpo)
+    grpo.set_defaults(func=cmd_train_grpo)
 
     evaluate = sub.add_parser("eval", help="score a model on held-out tasks (arithmetic, "
                                            "tool calls, instructions, Python)",

@@ -97,7 +97,12 @@ class LoRAManager:
 
         in_use: the slots unfinished requests hold (never evicted)."""
         known = self.adapters.get(request.lora_name)
-        if known is None or _is_update(known, request):
+        if not request.has_weights:
+            if known is None or known.lora_int_id != request.lora_int_id:
+                raise AdapterError(f"no adapter {request.lora_name!r} with lora_int_id "
+                                   f"{request.lora_int_id} is loaded (a request without "
+                                   f"lora_path or tensors names a loaded one)")
+        elif known is None or _is_update(known, request):
             known = self.add(request)
         self.make_resident(known, in_use)
         return known
@@ -106,6 +111,9 @@ class LoRAManager:
         """Read an adapter (a new name, or new weights for a known one: replaced in place)."""
         if not request.lora_name:
             raise AdapterError("an adapter needs a name")
+        if not request.has_weights:
+            raise AdapterError(f"adapter {request.lora_name!r}: give lora_path, or config and "
+                               f"tensors")
         adapter = read_adapter(request.lora_path or None, config=request.config,
                                tensors=request.tensors, num_experts=self.num_experts or None)
         self._check_targets(adapter, request.lora_name)

@@ -24,8 +24,13 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
-        if not self.lora_path and (self.config is None or self.tensors is None):
-            raise ValueError("a LoRARequest needs lora_path, or both config and tensors")
+        if (self.config is None) != (self.tensors is None):
+            raise ValueError("an in-memory adapter needs both config and tensors")
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the request brings weights (a folder or tensors), not just a name."""
+        return bool(self.lora_path) or self.tensors is not None
 
 
 def parse_lora_module(module: str | dict[str, Any]) -> tuple[str, str]:

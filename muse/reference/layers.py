@@ -135,6 +135,18 @@ class Experts(nn.Module):
             if config.expert_norm else None
         self.eps = config.rms_norm_eps
 
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), in float32 so the oracle does not
+        depend on the order experts are visited. (Called as a module, so wrappers such as
+        PEFT's `target_parameters` LoRA apply to the stacked weights.)"""
+        combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in expert_ids.unique().tolist():
+            token_ids, slot = (expert_ids == expert).nonzero(as_tuple=True)
+            out = self.expert_forward(expert, x[token_ids])
+            combined.index_add_(0, token_ids, out.float() * weights[token_ids, slot, None])
+        return combined
+
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens: SwiGLU, then (optionally) the expert's own RMSNorm."""
         gate_up = x @ self.gate_up_proj[expert].t()
@@ -171,13 +183,7 @@ class LatentMoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.gate(tokens), self.config)
         latent = self.pooler(tokens) if self.pooler is not None else tokens
-        # Accumulate in float32 so the oracle does not depend on the order experts are visited.
-        combined = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device)
-        for expert in experts.unique().tolist():
-            token_ids, slot = (experts == expert).nonzero(as_tuple=True)
-            out = self.experts.expert_forward(expert, latent[token_ids])
-            combined.index_add_(0, token_ids, out.float() * weights[token_ids, slot, None])
-        combined = combined.to(x.dtype)
+        combined = self.experts(latent, experts, weights).to(x.dtype)
         out = self.unpooler(combined) if self.unpooler is not None else combined
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)

@@ -116,8 +116,8 @@ class _Running:
 
 
 def _turn_seed(seed: int | None, task_index: int, sample_index: int, turn: int) -> int | None:
-    """A seed of its own for each later turn of each trajectory: reproducible, and not the
-    same stream for every request of the turn."""
+    """A seed of its own for each task's first turn and each later turn of each trajectory:
+    reproducible, and not the same stream for every request of the turn."""
     if seed is None:
         return None
     digest = hashlib.sha256(f"{seed}/{task_index}/{sample_index}/{turn}".encode()).digest()
@@ -184,8 +184,11 @@ def rollout(llm: Any, tasks: list[dict], sampling_params: SamplingParams, *,
             break
         if turn == 0:
             requests = [{"prompt_token_ids": prompt} for prompt in prompts]
-            params = [_turn_params(sampling_params, group_size, sampling_params.seed,
-                                   len(prompt), limit) for prompt in prompts]
+            # Each task's group draws its own stream (the samples of one group share it, as
+            # n > 1 requests do, each sample its own part).
+            params = [_turn_params(sampling_params, group_size,
+                                   _turn_seed(sampling_params.seed, index, 0, 0), len(prompt),
+                                   limit) for index, prompt in enumerate(prompts)]
         else:
             requests = [{"prompt_token_ids": r.trajectory.prompt_ids + r.trajectory.response_ids}
                         for r in live]

@@ -388,16 +388,22 @@ def test_adapter_versions_are_recorded_per_turn_when_they_change(tokenizer) -> N
     assert trajectory.lora_version == 3
 
 
-def test_later_turns_get_their_own_seeds(tokenizer) -> None:
+def test_tasks_and_later_turns_get_their_own_seeds(tokenizer) -> None:
     call = lookup_reply(tokenizer)
     answer = tokenizer.encode("It says obey.<|end|>")
     replies = {(0, 0): call, (0, 1): call, (1, 0): answer, (1, 1): answer}
     llm = ScriptedLLM(tokenizer, replies)
     rollout(llm, [lookup_task()], SamplingParams(seed=7, max_tokens=100), group_size=2)
     first_turn, second_turn = (params for _, params in llm.calls)
-    assert [p.seed for p in first_turn] == [7] and first_turn[0].n == 2
+    assert len(first_turn) == 1 and first_turn[0].n == 2 and first_turn[0].seed is not None
     seeds = [p.seed for p in second_turn]
-    assert len(set(seeds)) == 2 and all(p.n == 1 and p.logprobs == 0 for p in second_turn)
+    assert len(set(seeds + [first_turn[0].seed])) == 3
+    assert all(p.n == 1 and p.logprobs == 0 for p in second_turn)
+    # Two copies of one task draw different streams (their groups would otherwise be equal).
+    twice = ScriptedLLM(tokenizer, {**replies, (0, 2): call, (0, 3): call})
+    rollout(twice, [lookup_task(), lookup_task()], SamplingParams(seed=7, max_tokens=1),
+            group_size=2)
+    assert len({p.seed for p in twice.calls[0][1]}) == 2
     rerun = ScriptedLLM(tokenizer, replies)
     rollout(rerun, [lookup_task()], SamplingParams(seed=7, max_tokens=100), group_size=2)
     assert [p.seed for p in rerun.calls[1][1]] == seeds
