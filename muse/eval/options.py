@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
                         help="use only the standard library's Python source, not installed "
                              "packages' too (default: off)")
+    parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
+                        help="score the model with this LoRA adapter (a PEFT folder, e.g. "
+                             "`muse train grpo`'s) on every reply (default: none)")
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:N, or auto (cuda when available)")
     parser.add_argument("--dtype", default="auto",

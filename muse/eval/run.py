@@ -25,6 +25,8 @@ from muse.eval.tools import evaluate_tools
 from muse.eval.unseen_tools import MEASURES as UNSEEN_TOOLS_MEASURES
 from muse.eval.unseen_tools import evaluate_unseen_tools
 from muse.llm import LLM
+from muse.lora import LoRARequest
+from muse.lora.peft_adapter import config_max_rank
 from muse.train.data import arithmetic, instructions
 
 # The issue's acceptance figures (greedy, held-out), as dotted paths into the report.
@@ -42,9 +44,35 @@ ACCEPTANCE_BARS: dict[str, float] = {
 }
 
 
+class AdaptedLLM:
+    """An `LLM` whose every `generate` runs with one LoRA adapter: the sections score the
+    adapted model without knowing about adapters."""
+
+    def __init__(self, llm: LLM, lora_request: LoRARequest) -> None:
+        self._llm = llm
+        self._lora_request = lora_request
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("lora_request", self._lora_request)
+        return self._llm.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+
+def load_llm(model: str, lora: str | None, **engine_args: Any) -> LLM | AdaptedLLM:
+    """The model to score, with the adapter at `lora` (a PEFT folder) when given."""
+    if lora is None:
+        return LLM(model, **engine_args)
+    rank = config_max_rank(lora)
+    llm = LLM(model, enable_lora=True, max_lora_rank=rank, **engine_args)
+    return AdaptedLLM(llm, LoRARequest("eval", 1, str(lora)))
+
+
 def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | None = None,
-             **engine_args: Any) -> dict[str, Any]:
-    """Score `model` (a checkpoint folder or a preset) on the chosen sections.
+             lora: str | None = None, **engine_args: Any) -> dict[str, Any]:
+    """Score `model` (a checkpoint folder or a preset), with the LoRA adapter `lora` when
+    given, on the chosen sections.
 
     progress: bars on stderr; None: when it is a terminal. engine_args go to `muse.LLM`
     (device, dtype, ...). Returns the JSON-ready report.
@@ -55,8 +83,9 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
         if section in settings.sections:
             check_section(section)
     started = time.monotonic()
-    llm = LLM(model, **engine_args)
-    report: dict[str, Any] = {"model": str(model), "settings": dataclasses.asdict(settings),
+    llm = load_llm(model, lora, **engine_args)
+    report: dict[str, Any] = {"model": str(model), "lora": lora,
+                              "settings": dataclasses.asdict(settings),
                               "device": str(llm.engine.device), "dtype": str(llm.engine.dtype)}
     sections: dict[str, SectionResult] = {}
     if "arithmetic" in settings.sections:
@@ -189,8 +218,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, max_digits=args.max_digits,
         python_files=args.python_files, python_tokens=args.python_tokens,
         unigram_chars=args.unigram_chars, python_packages=args.python_packages)
-    report = evaluate(args.model, settings, progress=args.progress, device=args.device,
-                      dtype=args.dtype)
+    report = evaluate(args.model, settings, progress=args.progress, lora=args.lora,
+                      device=args.device, dtype=args.dtype)
     report["command"] = sys.argv
     print(format_table(report))
     failures = failed_bars(report, {path: bar for path, bar in ACCEPTANCE_BARS.items()

@@ -105,6 +105,16 @@ def read_adapter(path: str | Path | None = None, *, config: dict[str, Any] | Non
     return PeftAdapter(weights, config, _content_id(config, tensors), source)
 
 
+def config_max_rank(path: str | Path) -> int:
+    """The largest rank an adapter folder's config declares (`r` and `rank_pattern`): what
+    `--max-lora-rank` must allow to serve it."""
+    config_file = Path(path) / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise AdapterError(f"{path}: no {ADAPTER_CONFIG}")
+    config = json.loads(config_file.read_text())
+    return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+
+
 def _check_supported(config: dict[str, Any], source: str) -> None:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":

@@ -63,19 +63,25 @@ def _distinct(draw: Callable[[], dict[str, Any]], n: int, what: str) -> list[dic
     return list(found.values())
 
 
-def addition_tasks(n: int, digits: int = 3, seed: int = 0, split: str = "train"
-                   ) -> list[dict[str, Any]]:
-    """`n` distinct additions of two `digits`-digit numbers, asked in the phrasings the
-    shipped model was trained on ("What is 123 + 456?"); `answer` is the sum (an int)."""
+def arithmetic_tasks(n: int, operation: str = "add", digits: int = 3, seed: int = 0,
+                     split: str = "train") -> list[dict[str, Any]]:
+    """`n` distinct problems of `operation` ("add", "sub", "mul") on two `digits`-digit
+    numbers, asked in the phrasings the shipped model was trained on ("What is 123 + 456?");
+    `answer` is the result (an int)."""
     data_split = _data_split(split)
-    rng = random.Random(f"rl-addition/{split}/{seed}")
+    rng = random.Random(f"rl-{operation}/{split}/{seed}")
 
     def draw() -> dict[str, Any]:
-        problem = arithmetic.sample_problem(rng, data_split, "add", digits)
+        problem = arithmetic.sample_problem(rng, data_split, operation, digits)
         return {"messages": [{"role": "user", "content": arithmetic.question(problem, rng)}],
                 "answer": problem.answer, "key": problem.key, "reward": "arithmetic"}
 
-    return _distinct(draw, n, f"{split} {digits}-digit addition")
+    return _distinct(draw, n, f"{split} {digits}-digit {operation}")
+
+
+def addition_tasks(n: int, digits: int = 3, seed: int = 0, split: str = "train"
+                   ) -> list[dict[str, Any]]:
+    return arithmetic_tasks(n, "add", digits, seed, split)
 
 
 def _price_task(rng: random.Random) -> dict[str, Any]:
@@ -138,10 +144,21 @@ def tool_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict[str, An
 
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "addition": addition_tasks, "tools": tool_tasks, "unseen_tools": unseen_tool_tasks}
+# Arithmetic task names and their default operand digits ("multiplication:4" sets them).
+ARITHMETIC = {"addition": ("add", 3), "subtraction": ("sub", 3), "multiplication": ("mul", 4)}
 
 
 def load_tasks(name: str, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
-    """`n` tasks of the generator `name` (one of TASKS) from `split` ("train" or "test")."""
+    """`n` tasks of the generator `name` from `split` ("train" or "test"): one of TASKS, or
+    an arithmetic operation of ARITHMETIC with an optional digit count ("multiplication:4")."""
+    base, _, digits = name.partition(":")
+    if base in ARITHMETIC:
+        operation, default = ARITHMETIC[base]
+        if digits and not (digits.isdigit() and 1 <= int(digits) <= arithmetic.MAX_DIGITS + 4):
+            raise ValueError(f"task {name!r}: the digit count must be a small positive integer")
+        return arithmetic_tasks(n, operation, int(digits) if digits else default, seed, split)
     if name not in TASKS:
-        raise ValueError(f"unknown task set {name!r}; expected one of {sorted(TASKS)}")
+        raise ValueError(f"unknown task set {name!r}; expected one of "
+                         f"{sorted(set(TASKS) | set(ARITHMETIC))} (arithmetic ones may add "
+                         f"':DIGITS')")
     return TASKS[name](n, seed=seed, split=split)

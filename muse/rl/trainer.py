@@ -51,6 +51,7 @@ from muse.rl.grpo import group_advantages, keep_informative_groups, policy_loss,
 from muse.rl.policy import SequenceBatch
 from muse.rl.rewards import load_reward
 from muse.rl.rollout import Trajectory, rollout
+from muse.rl.plot import PLOT_FILE, plot_grpo
 from muse.rl.tasks import load_tasks
 from muse.rl.trainer_options import (ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE,
                                      GRPOTrainArgs)
@@ -73,6 +74,15 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def agree(self, flag: bool) -> bool:
+        """Whether any process says so (every process then takes the same branch: a time
+        limit read from each one's clock must not split the world)."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -477,7 +487,10 @@ class GRPOLoop:
             train_seconds = time.monotonic() - trained
             version = self.version
             sync_seconds = self.sync()
-            evaluate = step == args.steps or (args.eval_every and step % args.eval_every == 0)
+            out_of_time = args.max_minutes is not None \
+                and time.monotonic() - started > 60 * args.max_minutes
+            last = step == args.steps or self.world.agree(out_of_time)
+            evaluate = last or (args.eval_every and step % args.eval_every == 0)
             accuracy = self.evaluate() if evaluate else None
             rewards = [t.reward for t in sampled]
             record = {
@@ -502,12 +515,15 @@ class GRPOLoop:
                         "" if accuracy is None else f" held-out {accuracy:.3f}",
                         stats.get("clip_fraction", 0.0), stats.get("tis_weight_mean", 1.0),
                         stats.get("mismatch_kl", 0.0), record["seconds"])
+            if last:
+                break
         self.trainer.save(self.output / ADAPTER_DIR)
         if self.world.is_main:
             summary = {"args": dataclasses.asdict(args), "world_size": self.world.size,
-                       "steps": args.steps, "first": records[0], "last": records[-1],
+                       "steps": records[-1]["step"], "first": records[0], "last": records[-1],
                        "seconds": round(time.monotonic() - started, 1)}
             (self.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            plot_grpo(self.output / METRICS_FILE, self.output / PLOT_FILE)
         return self.output
 
     def _write(self, record: dict[str, Any], mode: str = "a") -> None:

@@ -60,6 +60,9 @@ class GRPOTrainArgs:
     tis_cap: float = 2.0
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3  # extra rollout rounds dynamic sampling may take per step
+    # Stop after the step that passes this many minutes (then evaluate and save), so a run on
+    # a time-limited machine always ends with its result; None: run every step.
+    max_minutes: float | None = None
     # Held-out evaluation (greedy, split="test").
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_tasks: int = 32
@@ -82,10 +85,12 @@ class GRPOTrainArgs:
         if self.tasks_file is None and self.task is None:
             self.task = "addition"
         if self.task is not None:
-            from muse.rl.tasks import TASKS
+            from muse.rl.tasks import load_tasks
 
-            if self.task not in TASKS:
-                raise ValueError(f"--task must be one of {sorted(TASKS)}, got {self.task!r}")
+            try:
+                load_tasks(self.task, 1)
+            except ValueError as error:
+                raise ValueError(f"--task: {error}") from None
         for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "max_turns",
                      "lora_rank", "mini_batches", "micro_batch_size", "max_total_tokens",
                      "eval_tasks"):
@@ -133,9 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights)")
     data = parser.add_argument_group("tasks")
     data.add_argument("--task", default=None,
-                      help="a task generator of muse.rl.tasks (addition, tools, ...); "
-                           "held-out evaluation draws its split=test (default: addition, "
-                           "unless --tasks-file)")
+                      help="a task generator of muse.rl.tasks: addition, subtraction, "
+                           "multiplication (optionally :DIGITS, e.g. multiplication:4), tools, "
+                           "unseen_tools; held-out evaluation draws its split=test (default: "
+                           "addition, unless --tasks-file)")
     data.add_argument("--tasks-file", default=None,
                       help="a JSONL file of tasks (\"messages\", and what the reward reads: "
                            "\"answer\", \"reward\", ...), cycled in a seeded order; replaces "
@@ -144,10 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="held-out tasks for --tasks-file runs (default: none, no "
                            "evaluation)")
     data.add_argument("--reward", default=None,
-                      help="the reward of every task: a built-in (arithmetic, tool_call) or "
+                      help="the reward of every task: a built-in (arithmetic, tool_call, "
+                           "unseen_tool_call) or "
                            "'package.module:function' (default: each task's \"reward\")")
     batch = parser.add_argument_group("rollouts")
     batch.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    batch.add_argument("--max-minutes", type=float, default=None,
+                       help="stop after the step that passes this many minutes, then "
+                            "evaluate and save the adapter (default: run every step)")
     batch.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step,
                        help="prompts (groups) per step")
     batch.add_argument("--group-size", type=int, default=d.group_size,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GRPO result of docs/training.md: LoRA (rank 32, alpha 64) on the shipped default model,
+# trained with GRPO on a held-out task it is weak at, on one GPU, the rollout engine and the
+# trainer in one process; then `muse eval` of the base and of the adapter.
+#
+#   scripts/grpo_h200.sh OUT
+#
+# TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
+# default 16), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 400), EVAL_NUM
+# (muse eval problems per arithmetic cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
+# held-out tasks, default 128) change the run. Needs
+# peft (muse[rl]); on a GPU image without it, install the wheels of
+# scripts/fetch_server_wheels.sh first.
+set -u
+OUT=${1:?usage: scripts/grpo_h200.sh OUT}
+PYTHON=${PYTHON:-python3}
+MODEL=${MODEL:-checkpoints/muse-spark-default}
+TASK=${TASK:-multiplication:4}
+MINUTES=${MINUTES:-3.5}
+PROMPTS=${PROMPTS:-16}
+GROUP=${GROUP:-8}
+LR=${LR:-2e-4}
+MAX_TOKENS=${MAX_TOKENS:-400}
+EVAL_NUM=${EVAL_NUM:-50}
+EVAL_TASKS=${EVAL_TASKS:-128}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+"$PYTHON" -m muse.cli train grpo --model "$MODEL" --task "$TASK" --steps 1000 \
+    --max-minutes "$MINUTES" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
+    --max-tokens "$MAX_TOKENS" --lr "$LR" --eval-every 5 --eval-tasks "$EVAL_TASKS" --seed 0 \
+    --output "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
+
+if [ "$EVAL_NUM" -gt 0 ] && [ -d "$OUT/grpo/adapter" ]; then
+    "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
+        --json "$OUT/eval-base.json" 2>&1 | tail -20 | tee "$OUT/eval-base.log"
+    "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
+        --lora "$OUT/grpo/adapter" --json "$OUT/eval-adapter.json" 2>&1 | tail -20 \
+        | tee "$OUT/eval-adapter.log"
+fi
