@@ -28,7 +28,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-ROUTING = ("round_robin", "least_loaded")
+from muse.router.launch import ROUTING  # noqa: E402  (one list of the policies)
 LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 METRICS_TTL_S = 1.0
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from muse.router.app import ROUTING, build_router
+# The policies' names only: the app (and its web stack) is imported when the router runs,
+# so the CLI's other commands work where fastapi is not installed.
+ROUTING = ("round_robin", "least_loaded")
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +27,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_router(args: argparse.Namespace) -> None:
     import uvicorn
+
+    from muse.router.app import build_router
 
     app = build_router([url.rstrip("/") for url in args.prefill],
                        [url.rstrip("/") for url in args.decode], args.routing,
