@@ -15,6 +15,10 @@ give every request 1 + k query rows: a request with fewer tokens is padded after
 one by tokens that write the null block's slot and whose positions continue its own. Its
 context length counts them, so its real queries keep their positions and see only real keys
 (causal), and only padding queries read the slots they would have filled.
+
+With LoRA adapters (`enable_lora`) every graph also reads each request's adapter slot from a
+static row (-1: the base model, and for padding), so steps mixing adapters and the base
+replay graphs too; the adapted layers' batched kernels are part of every captured step.
 """
 
 from __future__ import annotations
@@ -58,10 +62,14 @@ class DecodeGraphs:
         self.token_rows = zeros(2 + len(kinds), tokens)
         self.input_ids, self.positions = self.token_rows[0], self.token_rows[1]
         self.slots = {kind: self.token_rows[2 + i] for i, kind in enumerate(kinds)}
-        self.request_rows = zeros(1 + len(kinds), size)
+        self.with_lora = getattr(model, "lora_context", None) is not None
+        self.request_rows = zeros(1 + len(kinds) + self.with_lora, size)
         self.seq_lens = self.request_rows[0]
         self.seq_lens.fill_(query_len)
         self.first_blocks = {kind: self.request_rows[1 + i] for i, kind in enumerate(kinds)}
+        self.lora_slots = self.request_rows[-1] if self.with_lora else None
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)
         self.token_request = torch.arange(size, device=device).repeat_interleave(query_len)
         self.query_start = torch.arange(size + 1, device=device) * query_len
         self.tables = {kind: zeros(size, width) for kind, width in table_widths.items()}
@@ -78,7 +86,8 @@ class DecodeGraphs:
         meta = BatchMetadata(
             positions=self.positions[:tokens], token_request=self.token_request[:tokens],
             query_start=self.query_start[:size + 1], seq_lens=self.seq_lens[:size],
-            max_query_len=self.query_len, kinds=kinds, block_size=self.block_size)
+            max_query_len=self.query_len, kinds=kinds, block_size=self.block_size,
+            lora_slots=self.lora_slots[:size] if self.lora_slots is not None else None)
         return self.input_ids[:tokens], meta
 
     @torch.inference_mode()
@@ -104,6 +113,8 @@ class DecodeGraphs:
 
     def covers(self, batch: HostBatch) -> bool:
         # A step of one token per request takes the decode graphs, not the verify ones.
+        if batch.lora_slots is not None and not self.with_lora:
+            return False
         return ((batch.max_query_len == 1) == (self.query_len == 1)
                 and batch.max_query_len <= self.query_len
                 and batch.num_requests <= self.buckets[-1]
@@ -127,6 +138,8 @@ class DecodeGraphs:
         else:
             token_rows, seq_lens, real_rows = self._padded_queries(batch, size)
         request_rows = [seq_lens] + [batch.first_blocks[kind] + pad for kind in self.slots]
+        if self.with_lora:
+            request_rows.append((batch.lora_slots or [-1] * count) + [-1] * len(pad))
         # Only the table columns this step uses are rewritten: entries past a request's length
         # are masked by position, so stale block ids there are never read.
         widths = {kind: batch.table_width(kind) for kind in self.tables}

@@ -99,8 +99,13 @@ class ModelRunner:
 
     def _host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         kv_cache = self.kv_cache
-        return build_host_batch(list(kv_cache.groups), self.block_size, kv_cache.sliding_window,
-                                scheduled_entries(scheduled, kv_cache.block_tables))
+        batch = build_host_batch(list(kv_cache.groups), self.block_size,
+                                 kv_cache.sliding_window,
+                                 scheduled_entries(scheduled, kv_cache.block_tables))
+        if any(item.request.lora is not None for item in scheduled):
+            batch.lora_slots = [item.request.lora.slot if item.request.lora else -1
+                                for item in scheduled]
+        return batch
 
     @staticmethod
     def _pending_inputs(scheduled: list[ScheduledRequest], previous: LaunchedStep | None
@@ -170,9 +175,6 @@ class ModelRunner:
         prepared.logits_rows.extend(sample_index)
         prepared.batch = self._host_batch(scheduled)
         prepared.batch.media = media
-        if any(item.request.lora is not None for item in scheduled):
-            prepared.batch.lora_slots = [item.request.lora.slot if item.request.lora else -1
-                                         for item in scheduled]
         prepared.batch.kv_transfers = self.kv_cache.take_transfers()
         if self.step_encoder is not None:
             prepared.delta = self.step_encoder.encode_bytes(

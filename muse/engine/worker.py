@@ -193,9 +193,11 @@ class ModelWorker:
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits (not for
-        the step that calculates the FP8 KV scales, nor one with LoRA adapters: the graphs were
-        captured without them)."""
-        eager = self.model.kv_scales_pending or batch.lora_slots is not None
+        the step that calculates the FP8 KV scales, nor one whose adapters adapt routed experts:
+        the graphs were captured without them)."""
+        lora = self.model.lora_context
+        eager = self.model.kv_scales_pending or (
+            batch.lora_slots is not None and lora is not None and lora.experts_adapted)
         for graphs in () if eager else self.graphs:
             size = graphs.prepare(batch)
             if size is not None:

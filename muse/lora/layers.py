@@ -23,10 +23,15 @@ from muse.lora.peft_adapter import LoRAWeights
 
 class LoRAContext:
     """The step's adapter slot of each token ([tokens] int32 on the device, -1 = base), shared by
-    every adapted layer of a model; None when no token of the step uses an adapter."""
+    every adapted layer of a model; None when no token of the step uses an adapter.
+
+    `experts_adapted`: some resident adapter adapts routed experts. Their deltas run in the
+    plain experts path, which asks the host for expert counts, so such steps run eagerly;
+    otherwise the fused experts kernel runs and steps with adapters replay CUDA graphs."""
 
     def __init__(self) -> None:
         self.indices: torch.Tensor | None = None
+        self.experts_adapted = False
 
 
 def _write(a: torch.Tensor, b: torch.Tensor, weights_a: torch.Tensor, weights_b: torch.Tensor,
@@ -132,7 +137,7 @@ class ExpertsLoRA(nn.Module):
         _write(a, b, weights.a, weights.b, rank_offset, row, weights.scaling, what)
 
     def active(self) -> bool:
-        return self.context.indices is not None
+        return self.context.indices is not None and self.context.experts_adapted
 
     def hook(self, out: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, top_k: int,
              expert: int, projection: str) -> None:

@@ -122,9 +122,10 @@ class LoRAManager:
                                request.lora_path or "", adapter)
         if known is not None:
             loaded.version = known.version + 1
-            loaded.slot = known.slot
+            loaded.slot, known.slot = known.slot, None
         self.adapters[request.lora_name] = loaded
-        if loaded.slot is not None:
+        if loaded.slot is not None:  # new weights in the old version's slot
+            self.slots[loaded.slot] = loaded
             self._write(loaded.slot, loaded)
         return loaded
 
@@ -140,6 +141,7 @@ class LoRAManager:
         if known.slot is not None:
             self._clear(known.slot)
             self.slots[known.slot] = None
+            self._note_expert_adapters()
 
     def get(self, name: str) -> LoadedAdapter | None:
         return self.adapters.get(name)
@@ -175,6 +177,15 @@ class LoRAManager:
         self._clear(slot)
         for key, weights in loaded.adapter.weights.items():
             self._write_one(slot, key, weights)
+        self._note_expert_adapters()
+
+    def _note_expert_adapters(self) -> None:
+        """Tell the model whether a resident adapter adapts routed experts (see
+        `LoRAContext.experts_adapted`)."""
+        self.context.experts_adapted = any(
+            held is not None and any(isinstance(self._target(key)[0], FusedMoE)
+                                     for key in held.adapter.weights)
+            for held in self.slots)
 
     def _target(self, key: str) -> tuple[Any, dict[str, Any]]:
         """The engine module an adapter key adapts and where in it."""
