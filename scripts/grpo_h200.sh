@@ -8,7 +8,7 @@
 # TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
 # default 16), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 400), EVAL_NUM
 # (muse eval problems per arithmetic cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
-# held-out tasks, default 128) change the run. Needs
+# held-out tasks, default 128), TARGETS (--lora-targets) change the run. Needs
 # peft (muse[rl]); on a GPU image without it, install the wheels of
 # scripts/fetch_server_wheels.sh first.
 set -u
@@ -23,12 +23,16 @@ LR=${LR:-2e-4}
 MAX_TOKENS=${MAX_TOKENS:-400}
 EVAL_NUM=${EVAL_NUM:-50}
 EVAL_TASKS=${EVAL_TASKS:-128}
+# The adapted modules: by default not the routed experts, so that rollout steps with the
+# adapter replay the decode CUDA graphs (experts' adapters run eagerly).
+TARGETS=${TARGETS:-q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,pooler,unpooler}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 "$PYTHON" -m muse.cli train grpo --model "$MODEL" --task "$TASK" --steps 1000 \
     --max-minutes "$MINUTES" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
-    --max-tokens "$MAX_TOKENS" --lr "$LR" --eval-every 5 --eval-tasks "$EVAL_TASKS" --seed 0 \
+    --max-tokens "$MAX_TOKENS" --lr "$LR" --lora-targets "$TARGETS" --eval-every 5 \
+    --eval-tasks "$EVAL_TASKS" --seed 0 \
     --output "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
 
 if [ "$EVAL_NUM" -gt 0 ] && [ -d "$OUT/grpo/adapter" ]; then
