@@ -24,21 +24,19 @@ import torch
 from torch import nn
 
 from muse.checkpoint import load_config, load_reference_model
+from muse.engine.engine import HOST_INIT_MAX_PARAMETERS
 from muse.presets import PRESETS, get_preset
 from muse.reference.model import MuseForCausalLM, init_weights
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# A preset larger than this gets device-drawn random weights in the engine
-# (`muse.engine.engine.HOST_INIT_MAX_PARAMETERS`), which the reference cannot reproduce.
-HOST_INIT_MAX_PARAMETERS = 2**28
 
 
 def require_peft() -> Any:
     try:
         import peft
     except ImportError as error:
-        raise ImportError("muse train grpo trains a PEFT LoRA adapter: pip install peft") \
-            from error
+        raise ImportError("muse train grpo trains a PEFT LoRA adapter: pip install "
+                          "'muse[rl]'") from error
     return peft
 
 

@@ -10,11 +10,6 @@ GEMM tolerance. Sizes are small: the kernels run under Triton's interpreter on C
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +33,7 @@ from muse.kernels.w4a16_triton import LinearTiles, choose_tiles, split_for  # no
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
 from tests.quantization.dequantize import nv_dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
+from tests.kernels.hopper_compile import assert_script_compiles  # noqa: E402
 from tests.kernels.graph_capture import capture  # noqa: E402
 from tests.kernels.test_moe import _OpLog, _record_launches  # noqa: E402
 
@@ -445,23 +441,11 @@ def test_cuda_graph_replays() -> None:
 # as 16-aligned.
 _COMPILE_FOR_HOPPER = r"""
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.kernels.hopper_compile import compile_for_hopper
 from muse.kernels import moe_triton, w4a16_triton
 
 UNIT = {"stride_xk", "stride_xl", "stride_pk", "stride_sk", "stride_rn", "stride_yn",
         "stride_wk", "stride_hk", "stride_hn"}
-
-def compile_for_hopper(fn, pointers, constants, num_warps, num_stages):
-    constants = dict(constants, **{n: 1 for n in UNIT if n in fn.arg_names})
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        signature[name] = "constexpr" if name in constants else pointers.get(name, "i32")
-        if name not in constants:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": num_warps, "num_stages": num_stages})
 
 packed = {"packed_ptr": "*u8", "scales_ptr": "*u8", "row_factor_ptr": "*fp32"}
 for fmt, m in (("nvfp4", 1), ("mxfp4", 64)):
@@ -473,7 +457,7 @@ for fmt, m in (("nvfp4", 1), ("mxfp4", 64)):
              SCALE_E8M0=fmt == "mxfp4", HAS_ROW_FACTOR=fmt == "nvfp4", HAS_BIAS=m > 1,
              BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
              PRECISION="tf32", WIDEN=False),
-        tiles.num_warps, tiles.num_stages)
+        UNIT, tiles.num_warps, tiles.num_stages)
 prefill = moe_triton.choose_tiles(8192 * 8, 256)
 prefill_gemm2 = (min(prefill.gemm2[0], moe_triton.FP4_MAX_GEMM2_BLOCK_N), *prefill.gemm2[1:])
 for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
@@ -496,7 +480,7 @@ for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
                  PRECISION="tf32", WIDEN=False, ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4,
                  FP8=fmt == "fp8", SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
                  HAS_ROW_FACTOR=quantized),
-            num_warps, num_stages)
+            UNIT, num_warps, num_stages)
 print("compiled")
 """
 
@@ -505,10 +489,4 @@ def test_kernels_compile_for_hopper() -> None:
     """The linear kernel (NVFP4 decode, MXFP4 at 64 rows) and the fused experts' GEMMs (FP4
     and FP8 at decode and prefill tiles, dense at decode) compile for sm_90 with the tiles the
     launchers pick."""
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("Triton's NVIDIA back end is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_script_compiles(_COMPILE_FOR_HOPPER)
