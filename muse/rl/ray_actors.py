@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 
-from muse.rl.trainer import (GRPOLoop, PolicyTrainer, RolloutWorker, World, resolve_device)
+from muse.rl.policy_trainer import PolicyTrainer
+from muse.rl.rollout_worker import RolloutWorker
+from muse.rl.trainer import GRPOLoop
+from muse.rl.world import World, resolve_device
 from muse.rl.trainer_options import GRPOTrainArgs
 
 

@@ -22,8 +22,10 @@ pytest.importorskip("peft")
 from muse.engine.sampling_params import SamplingParams  # noqa: E402
 from muse.lora import LoRARequest  # noqa: E402
 from muse.rl import policy as policy_lib  # noqa: E402
-from muse.rl.trainer import (ADAPTER_NAME, GRPOLoop, PolicyTrainer,  # noqa: E402
-                             RolloutWorker, World, train_grpo)
+from muse.rl.policy_trainer import PolicyTrainer  # noqa: E402
+from muse.rl.rollout_worker import ADAPTER_NAME, RolloutWorker  # noqa: E402
+from muse.rl.trainer import GRPOLoop, train_grpo  # noqa: E402
+from muse.rl.world import World  # noqa: E402
 from muse.rl.trainer_options import ADAPTER_DIR, METRICS_FILE, GRPOTrainArgs  # noqa: E402
 
 MODEL = "muse-spark-tiny"
