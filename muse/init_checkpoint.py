@@ -24,7 +24,7 @@ from muse.checkpoint.writer import (
 )
 from muse.config import ConfigError, MuseSparkConfig
 from muse.info import human_bytes, human_count
-from muse.multimodal.engine_inputs import build_media_encoders
+from muse.multimodal.engine_inputs import MediaEncoders, build_media_encoders, has_encoders
 from muse.multimodal.processor import preset_processor_config
 from muse.reference.model import MuseForCausalLM, initial_value
 
@@ -78,11 +78,14 @@ def init_random_checkpoint(config: MuseSparkConfig, directory: str | Path, seed:
     # the order init_weights draws them, which is what keeps the two bit-identical.
     specs = [TensorSpec(name, tuple(param.shape), dtype)
              for name, param in model.named_parameters()]
+    if has_encoders(config):
+        # Shapes from a meta-device build: the disk check comes before drawing any weight.
+        with torch.device("meta"):
+            shapes = MediaEncoders(config).state_dict()
+        specs += [TensorSpec(name, tuple(tensor.shape), dtype) for name, tensor in shapes.items()]
+    _check_disk_space(directory, specs, config)
     encoders = build_media_encoders(config, seed, torch.float32, "cpu")
     encoder_tensors = encoders.state_dict() if encoders is not None else {}
-    specs += [TensorSpec(name, tuple(tensor.shape), dtype)
-              for name, tensor in encoder_tensors.items()]
-    _check_disk_space(directory, specs, config)
     generator = torch.Generator().manual_seed(seed)
 
     def produce(spec: TensorSpec) -> torch.Tensor:
