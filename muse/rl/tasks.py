@@ -76,7 +76,8 @@ def arithmetic_tasks(n: int, operation: str = "add", digits: int = 3, seed: int 
         return {"messages": [{"role": "user", "content": arithmetic.question(problem, rng)}],
                 "answer": problem.answer, "key": problem.key, "reward": "arithmetic"}
 
-    return _distinct(draw, n, f"{split} {digits}-digit {operation}")
+    names = {"add": "addition", "sub": "subtraction", "mul": "multiplication"}
+    return _distinct(draw, n, f"{split} {digits}-digit {names[operation]}")
 
 
 def addition_tasks(n: int, digits: int = 3, seed: int = 0, split: str = "train"

@@ -192,7 +192,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="serve LoRA adapters: a request's `model` names one (default: off)")
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
         help="PEFT adapter folders to serve, as name=path or JSON {\"name\": ..., \"path\": "
-             "...}; more can be loaded at run time with POST /v1/load_lora_adapter")
+             "...}; more can be loaded at run time with POST /v1/load_lora_adapter (default: "
+             "none)")
     add("--max-loras", type=int, default=1,
         help="adapters resident on the device at once (others wait in host memory) "
              "(default: %(default)s)")
