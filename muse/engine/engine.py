@@ -701,7 +701,7 @@ class EngineCore:
         if not args.enable_lora:
             return None
         manager = LoRAManager(self.model, args.max_loras, args.max_lora_rank, self.dtype,
-                              self.device)
+                              self.device, slots_in_use=self._lora_slots_in_use)
         for lora_int_id, module in enumerate(args.lora_modules, start=1):
             name, path = parse_lora_module(module)
             manager.add(LoRARequest(name, lora_int_id, path))
@@ -721,15 +721,14 @@ class EngineCore:
         if lora_request is None:
             return None
         manager = self._checked_lora()
+        if isinstance(lora_request, str):  # a loaded adapter's name (the API's `model`)
+            loaded = manager.get(lora_request)
+            if loaded is None:
+                raise InvalidRequestError(f"no adapter named {lora_request!r} is loaded",
+                                          param="model")
+            lora_request = LoRARequest(loaded.name, loaded.lora_int_id)
         try:
-            if isinstance(lora_request, str):
-                loaded = manager.get(lora_request)
-                if loaded is None:
-                    raise InvalidRequestError(f"no adapter named {lora_request!r} is loaded",
-                                              param="model")
-                manager.make_resident(loaded, self._lora_slots_in_use())
-                return loaded.use()
-            return manager.resolve(lora_request, self._lora_slots_in_use()).use()
+            return manager.resolve(lora_request).use()
         except AdapterError as error:
             raise InvalidRequestError(str(error), param="lora_request") from None
 
@@ -743,7 +742,7 @@ class EngineCore:
 
     def remove_lora(self, lora_name: str) -> None:
         try:
-            self._checked_lora().remove(lora_name, self._lora_slots_in_use())
+            self._checked_lora().remove(lora_name)
         except KeyError:
             raise InvalidRequestError(f"no adapter named {lora_name!r} is loaded",
                                       param="lora_name", status=404) from None

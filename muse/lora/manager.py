@@ -13,7 +13,7 @@ adapter's content hash, so the old version's cached prefixes are never reused fo
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class LoRAManager:
     max_lora_rank: int
     dtype: torch.dtype  # the activations' (quantized layers' adapters run in it too)
     device: torch.device
+    # The slots unfinished requests hold (never evicted, never unloaded); asked only when
+    # an eviction or an unload needs it, not for every request.
+    slots_in_use: Callable[[], Collection[int]] = lambda: ()
     context: LoRAContext = field(default_factory=LoRAContext)
     adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
     _clock: int = 0
@@ -92,10 +95,8 @@ class LoRAManager:
         self.model.lora_context = self.context
 
     # ---- known adapters ------------------------------------------------------------------
-    def resolve(self, request: LoRARequest, in_use: Collection[int] = ()) -> LoadedAdapter:
-        """The request's adapter, read or replaced when the request says so, and resident.
-
-        in_use: the slots unfinished requests hold (never evicted)."""
+    def resolve(self, request: LoRARequest) -> LoadedAdapter:
+        """The request's adapter, read or replaced when the request says so, and resident."""
         known = self.adapters.get(request.lora_name)
         if not request.has_weights:
             if known is None or known.lora_int_id != request.lora_int_id:
@@ -104,7 +105,7 @@ class LoRAManager:
                                    f"lora_path or tensors names a loaded one)")
         elif known is None or _is_update(known, request):
             known = self.add(request)
-        self.make_resident(known, in_use)
+        self.make_resident(known)
         return known
 
     def add(self, request: LoRARequest) -> LoadedAdapter:
@@ -129,12 +130,12 @@ class LoRAManager:
             self._write(loaded.slot, loaded)
         return loaded
 
-    def remove(self, name: str, in_use: Collection[int] = ()) -> None:
+    def remove(self, name: str) -> None:
         """Forget an adapter; refused while unfinished requests use it."""
         known = self.adapters.get(name)
         if known is None:
             raise KeyError(name)
-        if known.slot is not None and known.slot in in_use:
+        if known.slot is not None and known.slot in self.slots_in_use():
             raise AdapterError(f"adapter {name!r} serves unfinished requests; unload it when "
                                f"they end")
         del self.adapters[name]
@@ -147,13 +148,14 @@ class LoRAManager:
         return self.adapters.get(name)
 
     # ---- slots ---------------------------------------------------------------------------
-    def make_resident(self, loaded: LoadedAdapter, in_use: Collection[int] = ()) -> None:
+    def make_resident(self, loaded: LoadedAdapter) -> None:
         self._clock += 1
         loaded.last_used = self._clock
         if loaded.slot is not None:
             return
         free = [slot for slot, held in enumerate(self.slots) if held is None]
         if not free:
+            in_use = self.slots_in_use()
             evictable = [held for slot, held in enumerate(self.slots)
                          if held is not None and slot not in in_use]
             if not evictable:

@@ -140,15 +140,13 @@ class EngineLoop:
         if isinstance(command, UnloadLoRA):
             engine.remove_lora(command.lora_name)
             return
-        if command.lora_name in self._lora_adapters() and not command.load_inplace:
+        known = {loaded.name: loaded.lora_int_id for loaded in engine.list_loras()}
+        if command.lora_name in known and not command.load_inplace:
             raise InvalidRequestError(f"the adapter {command.lora_name!r} is already loaded; "
                                       f"set load_inplace to replace its weights",
                                       param="lora_name")
-        known = {loaded.name: loaded for loaded in engine.list_loras()}
-        previous = known.get(command.lora_name)
-        lora_int_id = max((loaded.lora_int_id for loaded in known.values()), default=0) + 1
-        if previous is not None:
-            lora_int_id = max(lora_int_id, previous.lora_int_id + 1)
+        # A new id: a loaded name gets its next version.
+        lora_int_id = max(known.values(), default=0) + 1
         engine.add_lora(LoRARequest(command.lora_name, lora_int_id, command.lora_path))
 
     def _lora_adapters(self) -> dict[str, str]:
