@@ -8,7 +8,8 @@
 # TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
 # default 16), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 400), EVAL_NUM
 # (muse eval problems per arithmetic cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
-# held-out tasks, default 128), TARGETS (--lora-targets) change the run. Needs
+# held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
+# eval, for runs that share one) and EXTRA (more `muse train grpo` flags) change the run. Needs
 # peft (muse[rl]); on a GPU image without it, install the wheels of
 # scripts/fetch_server_wheels.sh first.
 set -u
@@ -25,6 +26,8 @@ EVAL_NUM=${EVAL_NUM:-50}
 EVAL_TASKS=${EVAL_TASKS:-128}
 # The adapted modules: by default not the routed experts, so that rollout steps with the
 # adapter replay the decode CUDA graphs (experts' adapters run eagerly).
+EVAL_BASE=${EVAL_BASE:-1}
+EXTRA=${EXTRA:-}
 TARGETS=${TARGETS:-q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,pooler,unpooler}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -32,12 +35,14 @@ export PYTHONUNBUFFERED=1
 "$PYTHON" -m muse.cli train grpo --model "$MODEL" --task "$TASK" --steps 1000 \
     --max-minutes "$MINUTES" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
     --max-tokens "$MAX_TOKENS" --lr "$LR" --lora-targets "$TARGETS" --eval-every 5 \
-    --eval-tasks "$EVAL_TASKS" --seed 0 \
+    --eval-tasks "$EVAL_TASKS" --seed 0 $EXTRA \
     --output "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
 
 if [ "$EVAL_NUM" -gt 0 ] && [ -d "$OUT/grpo/adapter" ]; then
-    "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
-        --json "$OUT/eval-base.json" 2>&1 | tail -20 | tee "$OUT/eval-base.log"
+    if [ "$EVAL_BASE" = 1 ]; then
+        "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
+            --json "$OUT/eval-base.json" 2>&1 | tail -20 | tee "$OUT/eval-base.log"
+    fi
     "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
         --lora "$OUT/grpo/adapter" --json "$OUT/eval-adapter.json" 2>&1 | tail -20 \
         | tee "$OUT/eval-adapter.log"

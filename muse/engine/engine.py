@@ -921,7 +921,7 @@ class EngineCore:
                     self.acceptance.record(len(drafts), len(emitted) - 1)
         else:
             tokens = {r: [t] for r, t in zip(step.sampled, step.token_values())}
-            logprobs = {r: [lp] for r, lp in zip(step.sampled, step.logprobs)}
+            logprobs = {r: [lp] for r, lp in zip(step.sampled, step.read_logprobs())}
         changed = []
         committed: list[Request] = []  # requests whose tokens this step computed
         for item, start in zip(step.scheduled, step.starts):

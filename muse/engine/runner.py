@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,9 @@ class LaunchedStep:
     sampled: list[Request]  # requests that sample a token this step, in row order
     tokens: torch.Tensor | None = None  # [len(sampled)] on the device
     tokens_on_host: HostCopy | None = None
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Reads back each sampled request's logprobs (None where not asked for); waits like
+    # token_values.
+    read_logprobs: Callable[[], list[TokenLogprobs | None]] = list
     # request_id -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Speculative decoding: each sampled request's drafts verified by this step, the position
@@ -203,7 +206,7 @@ class ModelRunner:
                 logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
                 self.rejection_sample_method, step.draft_probs, step.device_drafts)
         elif prepared.sample_rows:
-            step.tokens, step.logprobs = sample_on_device(
+            step.tokens, step.read_logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
             step.tokens_on_host = HostCopy(step.tokens)
         return step

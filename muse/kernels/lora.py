@@ -88,9 +88,10 @@ def lora_shrink_torch(x: torch.Tensor, lora_a: torch.Tensor,
                       indices: torch.Tensor) -> torch.Tensor:
     """u [T, R] float32: u[t] = lora_a[indices[t]] @ x[t], 0 where indices[t] is -1."""
     check_shrink_args(x, lora_a, indices)
-    weights = lora_a[indices.clamp(min=0).long()].float()  # [T, R, K]
-    u = torch.einsum("trk,tk->tr", weights, x.float())
-    return torch.where((indices >= 0)[:, None], u, 0.0)
+    u = x.new_zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32)
+    for slot, rows in _rows_by_slot(indices):
+        u[rows] = x[rows].float() @ lora_a[slot].float().T
+    return u
 
 
 def lora_expand_torch(y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor,
@@ -99,11 +100,18 @@ def lora_expand_torch(y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor,
     in float32 and rounded once to y's dtype; rows whose index is -1 are left as they are."""
     check_expand_args(y, u, lora_b, indices, out_offset, rank_offset)
     _, out_features, rank = lora_b.shape
-    target = y[:, out_offset:out_offset + out_features]
-    weights = lora_b[indices.clamp(min=0).long()].float()  # [T, N, R]
-    delta = torch.einsum("tnr,tr->tn", weights, u[:, rank_offset:rank_offset + rank])
-    updated = (target.float() + delta).to(y.dtype)
-    target.copy_(torch.where((indices >= 0)[:, None], updated, target))
+    columns = slice(out_offset, out_offset + out_features)
+    for slot, rows in _rows_by_slot(indices):
+        delta = u[rows, rank_offset:rank_offset + rank] @ lora_b[slot].float().T
+        y[rows, columns] = (y[rows, columns].float() + delta).to(y.dtype)
+
+
+def _rows_by_slot(indices: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its rows) for each slot in `indices` (-1, no adapter, left out): one matmul per
+    adapter present rather than a gathered weight per token, which on the CPU cost several
+    times the base model's own step."""
+    return [(slot, (indices == slot).nonzero().squeeze(1))
+            for slot in indices.unique().tolist() if slot >= 0]
 
 
 @functools.cache

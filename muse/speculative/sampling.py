@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import Any
 
 import torch
 
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampler import (RowParameters, SamplingRow, apply_logit_processing,
-                                 filtered_probabilities, token_logprobs)
+                                 filtered_probabilities, gather_logprobs)
 from muse.engine.sampling_params import SamplingParams
 from muse.engine.transfer import HostCopy, to_device
 from muse.speculative.verification import (accepted_count, verify_block, verify_greedy,
@@ -166,11 +165,16 @@ def _noise(rows: list[SamplingRow], width: int, vocab: int, device: torch.device
 
 def _logprobs(raw: torch.Tensor | None, rows: list[SamplingRow], starts: list[int],
               emitted: list[list[int]]) -> list[list[TokenLogprobs | None]]:
-    result: list[list[Any]] = []
-    for row, start, tokens in zip(rows, starts, emitted):
-        if row.params.logprobs is None:
-            result.append([None] * len(tokens))
-            continue
-        result.append([token_logprobs(raw[start + i], token, row.params.logprobs)
-                       for i, token in enumerate(tokens)])
-    return result
+    """Each emitted token's logprobs for the rows asking for them, in one read-back."""
+    asking = [row.params.logprobs is not None for row in rows]
+    if not any(asking):
+        return [[None] * len(tokens) for tokens in emitted]
+    positions, tokens, num_top = [], [], []
+    for row, start, emitted_tokens, asks in zip(rows, starts, emitted, asking):
+        if asks:
+            positions += range(start, start + len(emitted_tokens))
+            tokens += emitted_tokens
+            num_top += [row.params.logprobs] * len(emitted_tokens)
+    found = iter(gather_logprobs(raw[to_device(positions, raw.device)], tokens, num_top))
+    return [[next(found) for _ in emitted_tokens] if asks else [None] * len(emitted_tokens)
+            for emitted_tokens, asks in zip(emitted, asking)]
