@@ -13,7 +13,8 @@ engine: only its misses reach the workers.
   fewest encoder tokens so far; each worker encodes its share packed (one vision pass, one
   audio pass) and the outputs are put back in the items' order. Attention inside a pack is
   block-diagonal, so an item's rows do not depend on what it is packed with: the output is
-  the in-process one (bit for bit on the CPU in float32).
+  the in-process one up to float32 rounding (a pack's size can change how a CPU matmul
+  splits its sums: seen bit for bit on one machine, within 2e-6 relative on another).
 - Hand-off: `torch.multiprocessing` queues, one pair per worker. A CPU tensor put on one
   travels as a shared-memory handle (its storage moved to /dev/shm, the file descriptor
   passed along), so neither pixels nor embeddings are serialised through a pipe; liveness
