@@ -6,7 +6,8 @@
 #   scripts/grpo_h200.sh OUT
 #
 # TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
-# default 16), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 400), EVAL_NUM
+# default 32), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 700: a 4-digit
+# product's reasoning is ~450 tokens), EVAL_NUM
 # (muse eval problems per arithmetic cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
 # held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
 # eval, for runs that share one) and EXTRA (more `muse train grpo` flags) change the run. Needs
@@ -18,16 +19,16 @@ PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-checkpoints/muse-spark-default}
 TASK=${TASK:-multiplication:4}
 MINUTES=${MINUTES:-3.5}
-PROMPTS=${PROMPTS:-16}
+PROMPTS=${PROMPTS:-32}
 GROUP=${GROUP:-8}
 LR=${LR:-2e-4}
-MAX_TOKENS=${MAX_TOKENS:-400}
+MAX_TOKENS=${MAX_TOKENS:-700}
 EVAL_NUM=${EVAL_NUM:-50}
 EVAL_TASKS=${EVAL_TASKS:-128}
-# The adapted modules: by default not the routed experts, so that rollout steps with the
-# adapter replay the decode CUDA graphs (experts' adapters run eagerly).
 EVAL_BASE=${EVAL_BASE:-1}
 EXTRA=${EXTRA:-}
+# The adapted modules: by default not the routed experts, so that rollout steps with the
+# adapter replay the decode CUDA graphs (experts' adapters run eagerly).
 TARGETS=${TARGETS:-q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,pooler,unpooler}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

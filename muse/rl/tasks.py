@@ -76,8 +76,8 @@ def arithmetic_tasks(n: int, operation: str = "add", digits: int = 3, seed: int 
         return {"messages": [{"role": "user", "content": arithmetic.question(problem, rng)}],
                 "answer": problem.answer, "key": problem.key, "reward": "arithmetic"}
 
-    names = {"add": "addition", "sub": "subtraction", "mul": "multiplication"}
-    return _distinct(draw, n, f"{split} {digits}-digit {names[operation]}")
+    name = next(name for name, (op, _) in ARITHMETIC.items() if op == operation)
+    return _distinct(draw, n, f"{split} {digits}-digit {name}")
 
 
 def addition_tasks(n: int, digits: int = 3, seed: int = 0, split: str = "train"
