@@ -7,8 +7,8 @@
 #
 # TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
 # default 32), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 700: a 4-digit
-# product's reasoning is ~450 tokens), EVAL_NUM
-# (muse eval problems per arithmetic cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
+# product's reasoning is ~450 tokens), EVAL_SECTIONS (the `muse eval` sections, default
+# arithmetic), EVAL_NUM (muse eval problems per cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
 # held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
 # eval, for runs that share one) and EXTRA (more `muse train grpo` flags) change the run. Needs
 # peft (muse[rl]); on a GPU image without it, install the wheels of
@@ -23,6 +23,7 @@ PROMPTS=${PROMPTS:-32}
 GROUP=${GROUP:-8}
 LR=${LR:-2e-4}
 MAX_TOKENS=${MAX_TOKENS:-700}
+EVAL_SECTIONS=${EVAL_SECTIONS:-arithmetic}
 EVAL_NUM=${EVAL_NUM:-50}
 EVAL_TASKS=${EVAL_TASKS:-128}
 EVAL_BASE=${EVAL_BASE:-1}
@@ -41,10 +42,10 @@ export PYTHONUNBUFFERED=1
 
 if [ "$EVAL_NUM" -gt 0 ] && [ -d "$OUT/grpo/adapter" ]; then
     if [ "$EVAL_BASE" = 1 ]; then
-        "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
+        "$PYTHON" -m muse.cli eval "$MODEL" --sections "$EVAL_SECTIONS" --num "$EVAL_NUM" \
             --json "$OUT/eval-base.json" 2>&1 | tail -20 | tee "$OUT/eval-base.log"
     fi
-    "$PYTHON" -m muse.cli eval "$MODEL" --sections arithmetic --num "$EVAL_NUM" \
+    "$PYTHON" -m muse.cli eval "$MODEL" --sections "$EVAL_SECTIONS" --num "$EVAL_NUM" \
         --lora "$OUT/grpo/adapter" --json "$OUT/eval-adapter.json" 2>&1 | tail -20 \
         | tee "$OUT/eval-adapter.log"
 fi

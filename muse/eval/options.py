@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# `unseen_tools` and the media sections run only when asked for (`--sections unseen_tools`,
-# `--sections vision,video,audio`): not by default. `audio` needs espeak-ng.
-SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "vision", "video",
-            "audio")
+# `unseen_tools`, `sorting` and the media sections run only when asked for (`--sections
+# unseen_tools`, `--sections vision,video,audio`): not by default. `audio` needs espeak-ng.
+SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "sorting", "vision",
+            "video", "audio")
 DEFAULT_SECTIONS = ("arithmetic", "tools", "instructions", "python")
 
 
 @dataclass
 class EvalSettings:
     num: int = 200  # problems per category (operation x digits, tool requests, instruction
-    # kind, media question kind; unseen-tool cases in all)
+    # kind, sorted list length, media question kind; unseen-tool cases in all)
     seed: int = 1
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     max_tokens: int = 512  # cap on any reply (each also gets a budget from its right answer)
@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: the checkpoint's dtype on a GPU, float32 on a CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the share of the GPU's memory the engine may take, as in "
+                             "`muse serve` (lower it to share the GPU with other runs)")
     # As vLLM's and lm-eval's bars: on a terminal; in a log only when asked for.
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars of the generation on stderr (default: on when "

@@ -21,6 +21,7 @@ from muse.eval.instructions import evaluate_instructions
 from muse.eval.media_tasks import MEDIA_BARS, MEDIA_KEYS, check_section, evaluate_media
 from muse.eval.options import EvalSettings
 from muse.eval.python_loss import evaluate_python
+from muse.eval.sorting import SORT_ITEMS, evaluate_sorting
 from muse.eval.tools import evaluate_tools
 from muse.eval.unseen_tools import MEASURES as UNSEEN_TOOLS_MEASURES
 from muse.eval.unseen_tools import evaluate_unseen_tools
@@ -98,6 +99,9 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
     if "instructions" in settings.sections:
         sections["instructions"] = evaluate_instructions(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
+    if "sorting" in settings.sections:
+        sections["sorting"] = evaluate_sorting(llm, settings.num, settings.seed,
+                                               settings.max_tokens, progress)
     if "unseen_tools" in settings.sections:
         sections["unseen_tools"] = evaluate_unseen_tools(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
@@ -188,6 +192,12 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append("instructions, exact match (count)")
         for kind in instructions.KINDS:
             lines.append(f"  {kind:31s}" + _cell(report["instructions"].get(kind)).rjust(16))
+    if "sorting" in report:
+        lines.append("sorting, exact match (count)     " + "".join(
+            f"{items} items".rjust(16) for items in SORT_ITEMS))
+        lines.append(f"  {'':31s}" + "".join(
+            _cell(report["sorting"].get(str(items))).rjust(16) for items in SORT_ITEMS))
+        lines.append(f"  {'all':31s}" + _cell(report["sorting"]["overall"]).rjust(16))
     if "unseen_tools" in report:
         unseen = report["unseen_tools"]
         lines.append(f"unseen tools ({unseen['count']} held-out cases)".ljust(33) + "".join(
@@ -219,7 +229,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         python_files=args.python_files, python_tokens=args.python_tokens,
         unigram_chars=args.unigram_chars, python_packages=args.python_packages)
     report = evaluate(args.model, settings, progress=args.progress, lora=args.lora,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device, dtype=args.dtype,
+                      gpu_memory_utilization=args.gpu_memory_utilization)
     report["command"] = sys.argv
     print(format_table(report))
     failures = failed_bars(report, {path: bar for path, bar in ACCEPTANCE_BARS.items()

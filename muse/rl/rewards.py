@@ -13,7 +13,7 @@ import re
 from decimal import Decimal
 from typing import Any, Protocol
 
-from muse.chat_format import THINK_END_TOKEN, THINK_START_TOKEN
+from muse.chat_format import END_OF_TURN_TOKEN, THINK_END_TOKEN, THINK_START_TOKEN
 from muse.rl.tool_env import ToolEnvironment, reply_tool_calls
 from muse.rl.unseen_tool_tasks import unseen_tool_reward
 
@@ -54,6 +54,25 @@ def arithmetic_reward(completion: str, task: dict[str, Any]) -> float:
     return float(number is not None and number == int(task["answer"]))
 
 
+def exact_answer_reward(completion: str, task: dict[str, Any]) -> float:
+    """1.0 when the answer, up to the end of the turn and without surrounding whitespace, is
+    str(task["answer"]) exactly (as the instructions and sorting eval sections score it)."""
+    answer = answer_text(completion).partition(END_OF_TURN_TOKEN)[0]
+    return float(answer.strip() == str(task["answer"]))
+
+
+def list_positions_reward(completion: str, task: dict[str, Any]) -> float:
+    """The share of the positions of the comma-separated list str(task["answer"]) that the
+    answer fills with the right item, over the longer of the two lists: 1.0 exactly when
+    `exact_answer_reward` is 1.0, partial credit for a list with a swap, a duplicate or a
+    missing item (a dense reward for sorting-like tasks; the eval stays exact match)."""
+    answer = answer_text(completion).partition(END_OF_TURN_TOKEN)[0].strip()
+    written = [item.strip() for item in answer.split(",")] if answer else []
+    expected = [item.strip() for item in str(task["answer"]).split(",")]
+    right = sum(a == b for a, b in zip(written, expected))
+    return right / max(len(written), len(expected))
+
+
 def _same_number(value: Any, expected: Any) -> bool:
     """A JSON number (not a bool) equal to `expected` (12 and 12.0 are the same)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -87,6 +106,8 @@ def tool_call_reward(completion: str, task: dict[str, Any]) -> float:
 
 
 BUILTIN_REWARDS: dict[str, Reward] = {"arithmetic": arithmetic_reward,
+                                      "exact_answer": exact_answer_reward,
+                                      "list_positions": list_positions_reward,
                                       "tool_call": tool_call_reward,
                                       "unseen_tool_call": unseen_tool_reward}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from muse.rl.tool_env import ToolEnvironment, convert_units
 from muse.rl.unseen_tool_tasks import unseen_tool_tasks
-from muse.train.data import arithmetic
+from muse.train.data import arithmetic, instructions
 from muse.train.data.split import HELD_OUT, TRAIN, draw_from_split
 
 SPLITS = {"train": TRAIN, "test": HELD_OUT}
@@ -85,6 +85,22 @@ def addition_tasks(n: int, digits: int = 3, seed: int = 0, split: str = "train"
     return arithmetic_tasks(n, "add", digits, seed, split)
 
 
+def sort_tasks(n: int, items: int | None = None, seed: int = 0, split: str = "train"
+               ) -> list[dict[str, Any]]:
+    """`n` distinct sorting requests of `items` words or numbers (3-6, as in training, when
+    None), in the training phrasings; `answer` is the sorted list as the reply must write it."""
+    data_split = _data_split(split)
+    rng = random.Random(f"rl-sort/{split}/{seed}")
+
+    def draw() -> dict[str, Any]:
+        case = (instructions.sample_case(rng, data_split, "sort") if items is None
+                else instructions.sort_case(rng, data_split, items))
+        return {"messages": [{"role": "user", "content": case.request}], "answer": case.answer,
+                "key": case.key, "reward": "exact_answer"}
+
+    return _distinct(draw, n, f"{split} sorting")
+
+
 def _price_task(rng: random.Random) -> dict[str, Any]:
     item, *others = rng.sample(ITEMS, 3)
     quantity = rng.randint(2, 12)
@@ -144,22 +160,29 @@ def tool_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict[str, An
 
 
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "addition": addition_tasks, "tools": tool_tasks, "unseen_tools": unseen_tool_tasks}
+    "addition": addition_tasks, "tools": tool_tasks, "unseen_tools": unseen_tool_tasks,
+    "sort": sort_tasks}
 # Arithmetic task names and their default operand digits ("multiplication:4" sets them).
 ARITHMETIC = {"addition": ("add", 3), "subtraction": ("sub", 3), "multiplication": ("mul", 4)}
 
 
 def load_tasks(name: str, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
-    """`n` tasks of the generator `name` from `split` ("train" or "test"): one of TASKS, or
-    an arithmetic operation of ARITHMETIC with an optional digit count ("multiplication:4")."""
-    base, _, digits = name.partition(":")
+    """`n` tasks of the generator `name` from `split` ("train" or "test"): one of TASKS, an
+    arithmetic operation of ARITHMETIC with an optional digit count ("multiplication:4"), or
+    sorting with an optional list length ("sort:6")."""
+    base, _, size = name.partition(":")
     if base in ARITHMETIC:
         operation, default = ARITHMETIC[base]
-        if digits and not (digits.isdigit() and 1 <= int(digits) <= arithmetic.MAX_DIGITS + 4):
+        if size and not (size.isdigit() and 1 <= int(size) <= arithmetic.MAX_DIGITS + 4):
             raise ValueError(f"task {name!r}: the digit count must be a small positive integer")
-        return arithmetic_tasks(n, operation, int(digits) if digits else default, seed, split)
+        return arithmetic_tasks(n, operation, int(size) if size else default, seed, split)
+    if base == "sort" and size:
+        if not (size.isdigit() and 2 <= int(size) <= instructions.MAX_SORT_ITEMS):
+            raise ValueError(f"task {name!r}: the list length must be an integer from 2 to "
+                             f"{instructions.MAX_SORT_ITEMS}")
+        return sort_tasks(n, int(size), seed, split)
     if name not in TASKS:
         raise ValueError(f"unknown task set {name!r}; expected one of "
                          f"{sorted(set(TASKS) | set(ARITHMETIC))} (arithmetic ones may add "
-                         f"':DIGITS')")
+                         f"':DIGITS', sort ':ITEMS')")
     return TASKS[name](n, seed=seed, split=split)

@@ -140,6 +140,8 @@ class GRPOLoop:
         records: list[dict[str, Any]] = []
         accuracy = self.evaluate()
         records.append({"step": 0, "eval_accuracy": accuracy, "lora_version": self.version})
+        if accuracy is not None:
+            logger.info("step 0 held-out %.3f", accuracy)
         self._write(records[-1], mode="w")
         for step in range(1, args.steps + 1):
             began = time.monotonic()

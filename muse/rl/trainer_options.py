@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--task", default=None,
                       help="a task generator of muse.rl.tasks: addition, subtraction, "
                            "multiplication (optionally :DIGITS, e.g. multiplication:4), tools, "
-                           "unseen_tools; held-out evaluation draws its split=test (default: "
+                           "unseen_tools, sort (optionally :ITEMS, e.g. sort:6); held-out evaluation draws its split=test (default: "
                            "addition, unless --tasks-file)")
     data.add_argument("--tasks-file", default=None,
                       help="a JSONL file of tasks (\"messages\", and what the reward reads: "

@@ -51,6 +51,15 @@ def test_eval_writes_every_figure(checkpoint: Path, tmp_path: Path,
     assert "arithmetic, exact match" in printed and "acceptance bars:" in printed
 
 
+def test_sorting_section_reports_every_list_length(checkpoint: Path) -> None:
+    report = evaluate(str(checkpoint), EvalSettings(num=2, max_tokens=6, sections=("sorting",)),
+                      device="cpu")
+    assert set(report["sorting"]) == {"3", "4", "5", "6", "7", "8", "overall"}
+    assert all(report["sorting"][items]["count"] == 2 for items in "345678")
+    assert report["sorting"]["overall"]["count"] == 12
+    assert "sorting, exact match" in format_table(report)
+
+
 def test_random_weights_fail_the_acceptance_bars(checkpoint: Path) -> None:
     settings = EvalSettings(num=2, max_tokens=6, max_digits=2, sections=("arithmetic", "tools"))
     report = evaluate(str(checkpoint), settings, device="cpu")

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from muse.chat_format import ASSISTANT_TOKEN, BOS_TOKEN
-from muse.rl.rewards import arithmetic_reward, load_reward, tool_call_reward
+from muse.rl.rewards import (arithmetic_reward, exact_answer_reward, list_positions_reward,
+                              load_reward, tool_call_reward)
 from muse.rl.tasks import tool_tasks
 from muse.rl.tool_env import ToolEnvironment, reply_tool_calls
 from muse.tokenizer import MuseTokenizer
@@ -67,6 +68,37 @@ def test_arithmetic_reward_of_the_template_rendered_answer(tokenizer: MuseTokeni
     assert reply.startswith("<think>") and reply.endswith("<|end|>")
     assert arithmetic_reward(reply, {"answer": 82}) == 1.0
     assert arithmetic_reward(reply, {"answer": 12}) == 0.0
+
+
+@pytest.mark.parametrize("reply, reward", [
+    ("<think>First letters: c, a, b.</think>apple, bread, cloud<|end|>", 1.0),
+    ("apple, bread, cloud", 1.0),
+    ("<think>First letters.</think> apple, bread, cloud \n<|end|>", 1.0),
+    ("<think>First letters.</think>apple, bread, cloud.<|end|>", 0.0),
+    ("<think>First letters.</think>apple, cloud, bread<|end|>", 0.0),
+    ("<think>First letters.</think>apple, bread<|end|>", 0.0),
+    ("<think>apple, bread, cloud", 0.0),  # cut off inside its reasoning
+    ("<think>apple, bread, cloud</think><|end|>", 0.0),
+    ("", 0.0),
+])
+def test_exact_answer_reward(reply: str, reward: float) -> None:
+    assert exact_answer_reward(reply, {"answer": "apple, bread, cloud"}) == reward
+    assert load_reward("exact_answer") is exact_answer_reward
+
+
+@pytest.mark.parametrize("reply, reward", [
+    ("<think>First letters.</think>apple, bread, cloud, delta<|end|>", 1.0),
+    ("<think>First letters.</think>apple, cloud, bread, delta<|end|>", 0.5),  # a swap
+    ("<think>First letters.</think>apple, bread, bread, delta<|end|>", 0.75),  # a duplicate
+    ("<think>First letters.</think>apple, cloud, delta<|end|>", 0.25),  # one left out
+    ("<think>First letters.</think>apple, bread, cloud, delta, delta<|end|>", 0.8),
+    ("<think>apple, bread, cloud, delta", 0.0),  # cut off inside its reasoning
+    ("<think>First letters.</think><|end|>", 0.0),
+])
+def test_list_positions_reward(reply: str, reward: float) -> None:
+    task = {"answer": "apple, bread, cloud, delta"}
+    assert list_positions_reward(reply, task) == pytest.approx(reward)
+    assert (list_positions_reward(reply, task) == 1.0) == (exact_answer_reward(reply, task) == 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from muse.rl.rewards import load_reward
-from muse.rl.tasks import addition_tasks, load_tasks, tool_tasks
+from muse.rl.tasks import addition_tasks, load_tasks, sort_tasks, tool_tasks
 from muse.rl.tool_env import ToolEnvironment
 from muse.train.data import arithmetic
 from muse.train.data.split import HELD_OUT, TRAIN, in_split
@@ -35,7 +35,8 @@ def test_addition_tasks_are_asked_like_the_sft_data() -> None:
 
 
 @pytest.mark.parametrize("make", [lambda n, seed, split: addition_tasks(n, 2, seed, split),
-                                  tool_tasks])
+                                  tool_tasks,
+                                  lambda n, seed, split: sort_tasks(n, 6, seed, split)])
 def test_train_and_test_splits_are_disjoint(make) -> None:
     train = {task["key"] for seed in range(3) for task in make(200, seed, "train")}
     test = {task["key"] for seed in range(3) for task in make(60, seed, "test")}
@@ -66,6 +67,22 @@ def test_tool_tasks_need_both_calls_and_the_expected_call_answers() -> None:
         result = json.loads(environment.execute(expected["name"], expected["arguments"]))
         assert result == {"result": task["answer"]}
         assert len(task["facts"]) == 3  # two distractors: the key must be copied right
+
+
+def test_sort_tasks_have_the_asked_length_and_score_the_exact_list() -> None:
+    tasks = load_tasks("sort:6", 30, seed=2)
+    assert tasks == sort_tasks(30, 6, seed=2)
+    for task in tasks:
+        assert len(task["answer"].split(", ")) == 6
+        reward = load_reward(task["reward"])
+        assert reward(f"<think>First letters.</think>{task['answer']}<|end|>", task) == 1.0
+        shuffled = ", ".join(reversed(task["answer"].split(", ")))
+        assert reward(f"<think>First letters.</think>{shuffled}<|end|>", task) == 0.0
+    # Without a length, as in training: 3 to 6 items.
+    assert {len(task["answer"].split(", ")) for task in load_tasks("sort", 60)} == {3, 4, 5, 6}
+    for bad in ("sort:1", "sort:x", "sort:51"):
+        with pytest.raises(ValueError, match="list length"):
+            load_tasks(bad, 2)
 
 
 def test_unknown_names_and_splits_are_errors() -> None:

@@ -137,6 +137,24 @@ def test_instruction_answers_are_right() -> None:
             assert case.answer in case.request
 
 
+@pytest.mark.parametrize("items", [2, 6, 9])
+def test_sort_cases_hold_the_asked_number_of_items(items: int) -> None:
+    rng = random.Random(4)
+    for split in (TRAIN, HELD_OUT):
+        for _ in range(20):
+            case = instructions.sort_case(rng, split, items)
+            listed = case.request.split(": ", 1)[-1].rstrip(".").split(", ")
+            assert len(listed) == len(set(listed)) == items
+            numbers = listed[0].isdigit()
+            descending = "descending" in case.request
+            expected = (sorted(listed, key=int, reverse=descending) if numbers
+                        else sorted(listed))
+            assert case.answer == ", ".join(expected)
+            assert is_held_out(case.key) == (split == HELD_OUT)
+    with pytest.raises(ValueError, match="2 to 50 items"):
+        instructions.sort_case(rng, TRAIN, 51)
+
+
 def test_train_and_held_out_never_overlap() -> None:
     rng = random.Random(9)
     for split in (TRAIN, HELD_OUT):

@@ -43,8 +43,8 @@ def _words(rng: random.Random, low: int = 3, high: int = 6) -> list[str]:
     return rng.sample(WORDS, rng.randint(low, high))
 
 
-def _sort_words(rng: random.Random) -> InstructionCase:
-    words = _words(rng)
+def _sort_words(rng: random.Random, items: int | None = None) -> InstructionCase:
+    words = rng.sample(WORDS, items) if items else _words(rng)
     request = rng.choice(["Sort these words alphabetically: {items}.",
                           "Put in alphabetical order: {items}.",
                           "Alphabetize: {items}."]).format(items=", ".join(words))
@@ -53,8 +53,8 @@ def _sort_words(rng: random.Random) -> InstructionCase:
     return InstructionCase("sort", request, reasoning, ", ".join(ordered))
 
 
-def _sort_numbers(rng: random.Random) -> InstructionCase:
-    numbers = rng.sample(range(100), rng.randint(3, 6))
+def _sort_numbers(rng: random.Random, items: int | None = None) -> InstructionCase:
+    numbers = rng.sample(range(100), items or rng.randint(3, 6))
     descending = rng.random() < 0.3
     order = "descending" if descending else "ascending"
     request = rng.choice(["Sort in {order} order: {items}.",
@@ -145,11 +145,24 @@ MAKERS: dict[str, list[Callable[[random.Random], InstructionCase]]] = {
     "context": [_context_question],
 }
 KINDS = tuple(MAKERS)
+# The most items a sorting case can hold: every word of WORDS.
+MAX_SORT_ITEMS = len(WORDS)
 
 
 def sample_case(rng: random.Random, split: str, kind: str | None = None) -> InstructionCase:
     makers = MAKERS[kind or rng.choice(KINDS)]
     return draw_from_split(lambda: rng.choice(makers)(rng), lambda case: case.key, split)
+
+
+def sort_case(rng: random.Random, split: str, items: int) -> InstructionCase:
+    """A sorting case of exactly `items` words or numbers (either, at random) from `split`.
+
+    Training lists hold 3-6 items; longer ones measure how far the skill reaches (the
+    `sorting` eval section, the RL `sort:N` task)."""
+    if not 2 <= items <= MAX_SORT_ITEMS:
+        raise ValueError(f"a sorting case holds 2 to {MAX_SORT_ITEMS} items, not {items}")
+    return draw_from_split(lambda: rng.choice(MAKERS["sort"])(rng, items), lambda case: case.key,
+                           split)
 
 
 def exchange(case: InstructionCase) -> list[dict[str, Any]]:
