@@ -8,8 +8,8 @@
 # TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
 # default 32), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 700: a 4-digit
 # product's reasoning is ~450 tokens), EVAL_SECTIONS (the `muse eval` sections, default
-# arithmetic), EVAL_NUM (muse eval problems per cell, default 50; 0 skips it), EVAL_TASKS (the trainer's
-# held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
+# arithmetic), EVAL_NUM (muse eval problems per cell, default 50; 0 skips it), EVAL_TASKS
+# (the trainer's held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
 # eval, for runs that share one) and EXTRA (more `muse train grpo` flags) change the run. Needs
 # peft (muse[rl]); on a GPU image without it, install the wheels of
 # scripts/fetch_server_wheels.sh first.

@@ -54,11 +54,15 @@ def arithmetic_reward(completion: str, task: dict[str, Any]) -> float:
     return float(number is not None and number == int(task["answer"]))
 
 
+def _answer_of_turn(completion: str) -> str:
+    """The answer up to the end of the turn, without surrounding whitespace."""
+    return answer_text(completion).partition(END_OF_TURN_TOKEN)[0].strip()
+
+
 def exact_answer_reward(completion: str, task: dict[str, Any]) -> float:
     """1.0 when the answer, up to the end of the turn and without surrounding whitespace, is
     str(task["answer"]) exactly (as the instructions and sorting eval sections score it)."""
-    answer = answer_text(completion).partition(END_OF_TURN_TOKEN)[0]
-    return float(answer.strip() == str(task["answer"]))
+    return float(_answer_of_turn(completion) == str(task["answer"]))
 
 
 def list_positions_reward(completion: str, task: dict[str, Any]) -> float:
@@ -66,7 +70,7 @@ def list_positions_reward(completion: str, task: dict[str, Any]) -> float:
     answer fills with the right item, over the longer of the two lists: 1.0 exactly when
     `exact_answer_reward` is 1.0, partial credit for a list with a swap, a duplicate or a
     missing item (a dense reward for sorting-like tasks; the eval stays exact match)."""
-    answer = answer_text(completion).partition(END_OF_TURN_TOKEN)[0].strip()
+    answer = _answer_of_turn(completion)
     written = [item.strip() for item in answer.split(",")] if answer else []
     expected = [item.strip() for item in str(task["answer"]).split(",")]
     right = sum(a == b for a, b in zip(written, expected))

@@ -140,8 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--task", default=None,
                       help="a task generator of muse.rl.tasks: addition, subtraction, "
                            "multiplication (optionally :DIGITS, e.g. multiplication:4), tools, "
-                           "unseen_tools, sort (optionally :ITEMS, e.g. sort:6); held-out evaluation draws its split=test (default: "
-                           "addition, unless --tasks-file)")
+                           "unseen_tools, sort (optionally :ITEMS, e.g. sort:6); held-out "
+                           "evaluation draws its split=test (default: addition, unless "
+                           "--tasks-file)")
     data.add_argument("--tasks-file", default=None,
                       help="a JSONL file of tasks (\"messages\", and what the reward reads: "
                            "\"answer\", \"reward\", ...), cycled in a seeded order; replaces "
