@@ -5,11 +5,12 @@
 #
 #   scripts/grpo_h200.sh OUT
 #
-# TASK (default multiplication:4), MINUTES (training time, default 3.5), PROMPTS (per step,
-# default 32), GROUP (default 8), LR (default 2e-4), MAX_TOKENS (default 700: a 4-digit
-# product's reasoning is ~450 tokens), EVAL_SECTIONS (the `muse eval` sections, default
-# arithmetic), EVAL_NUM (muse eval problems per cell, default 50; 0 skips it), EVAL_TASKS
-# (the trainer's held-out tasks, default 128), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
+# The defaults are the shipped adapter's run (docs/training.md, "GRPO on sorting"). TASK
+# (default sort), MINUTES (training time, default 6.5), PROMPTS (per step, default 64), GROUP
+# (default 8), LR (default 2e-4), MAX_TOKENS (default 120; 4-digit products need 700),
+# PASS_AT (--eval-pass-at, default 8), EVAL_SECTIONS (the `muse eval` sections, default
+# sorting,instructions,arithmetic), EVAL_NUM (muse eval problems per cell, default 100; 0
+# skips it), EVAL_TASKS (the trainer's held-out tasks, default 256), TARGETS (--lora-targets), EVAL_BASE (0 skips the base model's
 # eval, for runs that share one) and EXTRA (more `muse train grpo` flags) change the run. Needs
 # peft (muse[rl]); on a GPU image without it, install the wheels of
 # scripts/fetch_server_wheels.sh first.
@@ -17,17 +18,18 @@ set -u
 OUT=${1:?usage: scripts/grpo_h200.sh OUT}
 PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-checkpoints/muse-spark-default}
-TASK=${TASK:-multiplication:4}
-MINUTES=${MINUTES:-3.5}
-PROMPTS=${PROMPTS:-32}
+TASK=${TASK:-sort}
+MINUTES=${MINUTES:-6.5}
+PROMPTS=${PROMPTS:-64}
 GROUP=${GROUP:-8}
 LR=${LR:-2e-4}
-MAX_TOKENS=${MAX_TOKENS:-700}
-EVAL_SECTIONS=${EVAL_SECTIONS:-arithmetic}
-EVAL_NUM=${EVAL_NUM:-50}
-EVAL_TASKS=${EVAL_TASKS:-128}
+MAX_TOKENS=${MAX_TOKENS:-120}
+PASS_AT=${PASS_AT:-8}
+EVAL_SECTIONS=${EVAL_SECTIONS:-sorting,instructions,arithmetic}
+EVAL_NUM=${EVAL_NUM:-100}
+EVAL_TASKS=${EVAL_TASKS:-256}
 EVAL_BASE=${EVAL_BASE:-1}
-EXTRA=${EXTRA:-}
+EXTRA=${EXTRA:---gpu-memory-utilization 0.3}
 # The adapted modules: by default not the routed experts, so that rollout steps with the
 # adapter replay the decode CUDA graphs (experts' adapters run eagerly).
 TARGETS=${TARGETS:-q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,pooler,unpooler}
@@ -37,7 +39,7 @@ export PYTHONUNBUFFERED=1
 "$PYTHON" -m muse.cli train grpo --model "$MODEL" --task "$TASK" --steps 1000 \
     --max-minutes "$MINUTES" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
     --max-tokens "$MAX_TOKENS" --lr "$LR" --lora-targets "$TARGETS" --eval-every 5 \
-    --eval-tasks "$EVAL_TASKS" --seed 0 $EXTRA \
+    --eval-tasks "$EVAL_TASKS" --eval-pass-at "$PASS_AT" --seed 0 $EXTRA \
     --output "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
 
 if [ "$EVAL_NUM" -gt 0 ] && [ -d "$OUT/grpo/adapter" ]; then

@@ -51,6 +51,15 @@ def keep_informative_groups(rewards: torch.Tensor) -> torch.Tensor:
     return ~(rewards == rewards[:, :1]).all(dim=1)
 
 
+def pass_at_k(rewards: list[list[float]]) -> dict[str, float]:
+    """Of K samples per task: eval_pass_at_k, the share of tasks with a fully right sample
+    (reward 1), and eval_sample_mean, the mean reward. GRPO learns only from groups with a
+    right sample, so pass@K bounds the greedy accuracy its sharpening can reach."""
+    samples = [reward for group in rewards for reward in group]
+    return {"eval_pass_at_k": sum(max(group) >= 1.0 for group in rewards) / len(rewards),
+            "eval_sample_mean": sum(samples) / len(samples)}
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of `values` over tokens where mask != 0, weighted by mask; 0.0 on an empty mask."""
     weights = mask.to(values.dtype)

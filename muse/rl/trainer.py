@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from muse.rl.grpo import keep_informative_groups
+from muse.rl.grpo import keep_informative_groups, pass_at_k
 from muse.rl.plot import PLOT_FILE, plot_grpo
 from muse.rl.rollout import Trajectory
 from muse.rl.policy_trainer import PolicyTrainer
@@ -101,6 +101,16 @@ class GRPOLoop:
         groups = self.rollouts.rollout(self.held_out, 1, self.args.seed, 0.0)
         return sum(group[0].reward for group in groups) / len(groups)
 
+    def headroom(self) -> dict[str, float]:
+        """With --eval-pass-at K: `pass_at_k` of K replies per held-out task sampled at the
+        training temperature."""
+        k = self.args.eval_pass_at
+        if not (k and self.held_out):
+            return {}
+        groups = self.rollouts.rollout(self.held_out, k, self.args.seed + 1,
+                                       self.args.temperature)
+        return pass_at_k([[t.reward for t in group] for group in groups])
+
     def collect(self, step: int) -> tuple[list[list[Trajectory]], list[Trajectory], int]:
         """(the groups to train on, every trajectory sampled, rounds rolled out)."""
         args = self.args
@@ -131,7 +141,8 @@ class GRPOLoop:
         ratio_mean, tis_weight_mean, mismatch_kl, mismatch_abs, and kl with --kl-coef),
         grad_norm, tokens (mask-1 tokens trained), response_tokens (sampled and environment
         tokens), lora_version (the adapter the rollouts ran with), eval_accuracy (null when
-        not evaluated) and seconds (rollout_s, train_s, sync_s and the whole step)."""
+        not evaluated), with --eval-pass-at eval_pass_at_k and eval_sample_mean (step 0 and
+        the last step) and seconds (rollout_s, train_s, sync_s and the whole step)."""
         args = self.args
         started = time.monotonic()
         if self.world.is_main:
@@ -139,7 +150,8 @@ class GRPOLoop:
         self.sync()
         records: list[dict[str, Any]] = []
         accuracy = self.evaluate()
-        records.append({"step": 0, "eval_accuracy": accuracy, "lora_version": self.version})
+        records.append({"step": 0, "eval_accuracy": accuracy, **self._headroom(),
+                        "lora_version": self.version})
         if accuracy is not None:
             logger.info("step 0 held-out %.3f", accuracy)
         self._write(records[-1], mode="w")
@@ -168,6 +180,7 @@ class GRPOLoop:
                 "response_tokens": sum(len(t.response_ids) for t in sampled),
                 "lora_version": version,
                 "eval_accuracy": accuracy,
+                **(self._headroom() if last else {}),
                 "rollout_s": round(rollout_seconds, 3),
                 "train_s": round(train_seconds, 3),
                 "sync_s": round(sync_seconds, 3),
@@ -190,6 +203,13 @@ class GRPOLoop:
             (self.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             plot_grpo(self.output / METRICS_FILE, self.output / PLOT_FILE)
         return self.output
+
+    def _headroom(self) -> dict[str, float]:
+        measured = self.headroom()
+        if measured:
+            logger.info("held-out pass@%d %.3f, sample mean %.3f", self.args.eval_pass_at,
+                        measured["eval_pass_at_k"], measured["eval_sample_mean"])
+        return measured
 
     def _write(self, record: dict[str, Any], mode: str = "a") -> None:
         if self.world.is_main:

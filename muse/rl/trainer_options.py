@@ -66,6 +66,9 @@ class GRPOTrainArgs:
     # Held-out evaluation (greedy, split="test").
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_tasks: int = 32
+    # Before the first and after the last step, also K samples per held-out task at the
+    # training temperature: pass@K bounds what sharpening the sampled replies can reach.
+    eval_pass_at: int = 0  # 0: off
     # The machine.
     seed: int = 0
     output: str = "grpo-out"
@@ -112,8 +115,9 @@ class GRPOTrainArgs:
                              f"{self.clip_low} and {self.clip_high}")
         if self.kl_coef < 0 or self.tis_cap <= 0:
             raise ValueError("--kl-coef must be >= 0 and --tis-cap positive")
-        if self.max_resample_rounds < 0 or self.eval_every < 0:
-            raise ValueError("--max-resample-rounds and --eval-every must be >= 0")
+        if self.max_resample_rounds < 0 or self.eval_every < 0 or self.eval_pass_at < 0:
+            raise ValueError("--max-resample-rounds, --eval-every and --eval-pass-at must be "
+                             ">= 0")
         if self.mini_batches > self.prompts_per_step:
             raise ValueError(f"--mini-batches {self.mini_batches} is more than the "
                              f"{self.prompts_per_step} groups of a step (--prompts-per-step)")
@@ -219,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "first and after the last step only)")
     evaluation.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
                             help="held-out tasks (split=test) per evaluation")
+    evaluation.add_argument("--eval-pass-at", type=int, default=d.eval_pass_at, metavar="K",
+                            help="before the first and after the last step, also sample K "
+                                 "replies per held-out task at --temperature and record "
+                                 "eval_pass_at_k (the share of tasks with a right reply: the "
+                                 "greedy accuracy GRPO's sharpening can reach) and "
+                                 "eval_sample_mean (0: off)")
     machine = parser.add_argument_group("machine")
     machine.add_argument("--seed", type=int, default=d.seed,
                          help="seeds the tasks, the adapter's initial weights and sampling "

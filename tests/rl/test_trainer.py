@@ -224,11 +224,17 @@ def test_mini_batches_kl_temperature_and_dynamic_sampling(tasks_file, tmp_path) 
     """The other loss settings run and keep their promises: below temperature 1 the engine's
     raw log-probs still agree with the trainer's (mismatch ~0, TIS weights ~1); a second
     mini-batch is scored against log-probs from before the first update; the KL term is
-    logged; dynamic sampling trains only on groups whose rewards differ."""
+    logged; dynamic sampling trains only on groups whose rewards differ; --eval-pass-at is
+    measured before the first and after the last step."""
     output = train_grpo(run_args(tasks_file, tmp_path, steps=2, temperature=0.7,
                                  mini_batches=2, micro_batch_size=3, kl_coef=0.01,
-                                 dynamic_sampling=True, max_resample_rounds=2, eval_every=0))
-    steps = metrics(output)[1:]
+                                 dynamic_sampling=True, max_resample_rounds=2, eval_every=0,
+                                 eval_pass_at=4))
+    records = metrics(output)
+    for record in (records[0], records[-1]):
+        assert 0.0 <= record["eval_sample_mean"] <= record["eval_pass_at_k"] <= 1.0
+    assert all("eval_pass_at_k" not in record for record in records[1:-1])
+    steps = records[1:]
     for record in steps:
         assert record["groups"] <= 2 and record["rollout_rounds"] <= 3
         if record["groups"] == 0:  # no group with differing rewards: no update
@@ -298,3 +304,26 @@ def test_ray_actors_run_the_same_loop(tasks_file, tmp_path) -> None:
         [r.get("reward_mean") for r in metrics(colocated)]
     expected, got = adapter(colocated), adapter(remote)
     assert all(torch.allclose(expected[name], got[name], atol=1e-6) for name in expected)
+
+
+def test_pass_at_k_counts_the_tasks_with_a_fully_right_sample(tasks_file, tmp_path) -> None:
+    """eval_pass_at_k counts a held-out task once when any of its K samples has reward 1 (a
+    partial reward does not count); eval_sample_mean averages every sample. The samples are
+    drawn K to a task at the training temperature."""
+    from types import SimpleNamespace
+
+    class Rollouts:
+        def rollout(self, tasks, group_size, seed, temperature):
+            self.asked = (len(tasks), group_size, temperature)
+            rewards = [[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]]
+            return [[SimpleNamespace(reward=r) for r in group] for group in rewards]
+
+    args = run_args(tasks_file, tmp_path, eval_pass_at=4, temperature=0.9)
+    rollouts = Rollouts()
+    loop = GRPOLoop(args, trainer=None, rollouts=rollouts, world=World(0, 1, torch.device("cpu")))
+    assert loop.headroom() == {"eval_pass_at_k": pytest.approx(2 / 3),
+                               "eval_sample_mean": pytest.approx(6.5 / 12)}
+    assert rollouts.asked == (len(loop.held_out), 4, 0.9)
+    off = GRPOLoop(run_args(tasks_file, tmp_path), trainer=None, rollouts=rollouts,
+                   world=World(0, 1, torch.device("cpu")))
+    assert off.headroom() == {}
