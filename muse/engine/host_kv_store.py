@@ -2,23 +2,28 @@
 in the disk tier's directory; `apply` makes a step's `KVTransfers` (see there for the order).
 
 A slot of kind k holds one block of every layer of kind k this rank keeps, K and V:
-[slots, layers of k, 2, block_size, kv_heads, head_dim]. A step's copies of one kind move in
-one transfer each way, through a pinned staging buffer, with a gather or scatter per layer
-on the device:
+[slots, layers of k, 2, block_size, kv_heads, head_dim]. On a GPU the slots are pinned, so
+the copy engines move blocks straight between them and the device without a host-side
+copy, on two streams of their own (one per direction, so saves and loads move at once):
 
-- saves: the blocks' rows gathered on the device, copied to a pinned buffer without waiting
-  (queued after the kernels that wrote them), and scattered into their slots by the host
-  once the copy has landed: before the next read of the slots (a load, a disk write, the
-  next step's saves), which by then rarely waits;
-- loads: the slots gathered by the host into a pinned buffer, copied to the device without
-  waiting, and scattered into the blocks there, ahead of the step's forward pass.
+- saves: the blocks' rows are gathered into one device buffer on the compute stream (so the
+  forward pass may then overwrite the blocks: write-back reuses them), and the save stream
+  moves the buffer into the slots, one copy per run of consecutive slots, while the forward
+  pass runs: saves never hold up a step. The save stream first waits for the loads queued
+  before (a slot being reused may still be read);
+- loads: the load stream moves the slots into a device buffer, after the saves still
+  writing any of those slots (an event per save), and the compute stream waits for it, then
+  scatters the buffer into the blocks ahead of the forward pass.
 
-A file holds a slot's bytes as they are in memory.
+The host reads slots only to write disk files: it waits for the save stream first. A file
+holds a slot's bytes as they are in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,6 +33,7 @@ import torch
 
 from muse.engine.kv_offload import disk_file
 from muse.engine.kv_transfers import KVTransfers
+from muse.engine.transfer import to_device
 
 
 class HostKVStore:
@@ -38,28 +44,31 @@ class HostKVStore:
         self.layers = layers_by_kind(layer_types, host_blocks)
         cache = kv_caches[0][0]
         self.device = cache.device
-        self.pin = cache.is_cuda
-        self.slots = {kind: torch.zeros((n, len(self.layers[kind]), 2, *cache.shape[1:]),
+        on_gpu = cache.is_cuda
+        self.slots = {kind: torch.empty((n, len(self.layers[kind]), 2, *cache.shape[1:]),
                                         dtype=cache.dtype)
                       for kind, n in host_blocks.items()}
+        self.save_stream = self.load_stream = None
+        # (kind, slot) -> the event after the last save into it, while it may be running.
+        self.saving: dict[tuple[str, int], torch.cuda.Event] = {}
+        self.forget_at = 1024
+        if on_gpu:
+            self.save_stream = torch.cuda.Stream(self.device)
+            self.load_stream = torch.cuda.Stream(self.device)
+            pin(list(self.slots.values()), self)
         self.disk_root = disk_root
         self.shard = shard
-        # Saves whose device-to-host copy may still be running: (kind, slots, staging, event).
-        self.landing: list[tuple[str, list[int], torch.Tensor, torch.cuda.Event | None]] = []
 
     @torch.inference_mode()
     def apply(self, transfers: KVTransfers) -> None:
-        self._land()
+        if transfers.disk_saves and self.save_stream is not None:
+            self.save_stream.synchronize()  # the slots' bytes have landed
         for kind, slot, key_hex in transfers.disk_saves:
             self._write(kind, slot, key_hex)
-        for kind, pairs in _by_kind(transfers.saves).items():
-            self._save(kind, *pairs)
-        if transfers.loads:
-            self._land()  # a load may read a slot this step saved
-        for kind, pairs in _by_kind(transfers.loads).items():
-            slots, blocks = pairs
-            self._put(kind, blocks, self._staged(self.slots[kind].index_select(
-                0, torch.tensor(slots)), self.device))
+        for kind, (blocks, slots) in _by_kind(transfers.saves).items():
+            self._save(kind, blocks, slots)
+        for kind, (slots, blocks) in _by_kind(transfers.loads).items():
+            self._load(kind, slots, blocks)
         for kind, key_hex, block in transfers.disk_loads:
             self._put(kind, [block], self._read(kind, key_hex).unsqueeze(0).to(self.device))
         for kind, key_hex in transfers.disk_drops:
@@ -68,31 +77,58 @@ class HostKVStore:
     def _save(self, kind: str, blocks: list[int], slots: list[int]) -> None:
         if not self.layers[kind]:
             return
-        rows = gather_blocks(self.kv_caches, self.layers[kind], blocks)
-        staging = self._staged(rows, torch.device("cpu"))
-        event = None
-        if self.pin:
-            event = torch.cuda.Event()
-            event.record()
-        self.landing.append((kind, slots, staging, event))
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        rows = gather_blocks(self.kv_caches, self.layers[kind], [blocks[i] for i in order])
+        stream = self.save_stream
+        with self._on(stream):
+            if stream is not None:  # after the gather, and after loads that read the slots
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                stream.wait_stream(self.load_stream)
+                rows.record_stream(stream)
+            for first, start, count in _runs([slots[i] for i in order]):
+                self.slots[kind][start:start + count].copy_(rows[first:first + count],
+                                                            non_blocking=True)
+        if stream is not None:
+            done = stream.record_event()
+            self._forget_landed_saves()
+            self.saving.update(((kind, slot), done) for slot in slots)
 
-    def _land(self) -> None:
-        """Scatter the saves whose copies were queued into their slots (waiting for them)."""
-        for kind, slots, staging, event in self.landing:
-            if event is not None:
-                event.synchronize()
-            self.slots[kind][slots] = staging
-        self.landing.clear()
+    def _load(self, kind: str, slots: list[int], blocks: list[int]) -> None:
+        if not self.layers[kind]:
+            return
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        host = self.slots[kind]
+        stream = self.load_stream
+        # Allocated on the load stream, which need not wait for the compute stream's queue.
+        with self._on(stream):
+            rows = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype,
+                               device=self.device)
+            if stream is not None:  # after the saves still writing these slots
+                for event in {id(e): e for e in (self.saving.get((kind, slot))
+                                                 for slot in slots) if e is not None}.values():
+                    stream.wait_event(event)
+            for first, start, count in _runs([slots[i] for i in order]):
+                rows[first:first + count].copy_(host[start:start + count], non_blocking=True)
+        if stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(stream)
+            rows.record_stream(compute)
+        self._put(kind, [blocks[i] for i in order], rows)
 
-    def _staged(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`rows` on `device`, through pinned memory and without waiting when a GPU is
-        involved."""
-        if not self.pin:
-            return rows.to(device)
-        if device.type == "cpu":
-            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            return staging.copy_(rows, non_blocking=True)
-        return rows.pin_memory().to(device, non_blocking=True)
+    def _forget_landed_saves(self) -> None:
+        """Drop the entries of saves that have landed, once the map has doubled since the
+        last time (a query per save, not per slot)."""
+        if len(self.saving) < self.forget_at:
+            return
+        events = {id(event): event for event in self.saving.values()}
+        landed = {key for key, event in events.items() if event.query()}
+        self.saving = {slot: event for slot, event in self.saving.items()
+                       if id(event) not in landed}
+        self.forget_at = max(1024, 2 * len(self.saving))
+
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """Work issued inside runs on `stream`; None (a CPU): in place."""
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
     def _put(self, kind: str, blocks: list[int], rows: torch.Tensor) -> None:
         put_blocks(self.kv_caches, self.layers[kind], blocks, rows)
@@ -114,6 +150,31 @@ class HostKVStore:
         return data.view(dtype).view(shape)
 
 
+def pin(tensors: list[torch.Tensor], owner: object) -> None:
+    """Page-lock `tensors` (host memory) for the copy engines until `owner` is collected.
+
+    Registered in place, not allocated as pinned memory: torch's pinned allocator rounds
+    each allocation up to a power of two, which for a tier of tens of GiB could double it."""
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        if tensor.numel():
+            error = cudart.cudaHostRegister(tensor.data_ptr(),
+                                            tensor.numel() * tensor.element_size(), 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cannot page-lock {tensor.nbytes / 2**30:.1f} GiB of host "
+                                   f"memory for the KV offload tier (CUDA error "
+                                   f"{int(error)}); lower --kv-offload-gb")
+    # The finalizer holds the tensors, so their memory is unregistered before it is freed.
+    weakref.finalize(owner, _unpin, tensors)
+
+
+def _unpin(tensors: list[torch.Tensor]) -> None:
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        if tensor.numel():
+            cudart.cudaHostUnregister(tensor.data_ptr())
+
+
 def layers_by_kind(layer_types: list[str], kinds: Iterable[str]) -> dict[str, list[int]]:
     """The positions in `layer_types` (a rank's layers, as its KV caches are ordered) of
     each kind's layers."""
@@ -124,7 +185,7 @@ def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: li
                   blocks: list[int]) -> torch.Tensor:
     """Blocks `blocks` of the layers `layers` (of one kind), on their device:
     [blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
-    index = torch.tensor(blocks, device=kv_caches[0][0].device)
+    index = to_device(blocks, kv_caches[0][0].device)
     return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)),
                                     dim=1) for k, v in (kv_caches[i] for i in layers)], dim=1)
 
@@ -132,11 +193,23 @@ def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: li
 def put_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],
                blocks: list[int], rows: torch.Tensor) -> None:
     """Write rows [blocks, layers, 2, ...] (on the caches' device) into `blocks`."""
-    index = torch.tensor(blocks, device=kv_caches[0][0].device)
+    index = to_device(blocks, kv_caches[0][0].device)
     for position, layer in enumerate(layers):
         k, v = kv_caches[layer]
         k.index_copy_(0, index, rows[:, position, 0])
         v.index_copy_(0, index, rows[:, position, 1])
+
+
+def _runs(sorted_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first position, first slot, length) of each run of consecutive slots in
+    `sorted_slots`: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(sorted_slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, slot, 1))
+    return runs
 
 
 def _by_kind(items: list[tuple[str, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
