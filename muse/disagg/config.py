@@ -1,9 +1,12 @@
 """`--kv-transfer-config`, in vLLM's shape: `{"kv_role": "kv_producer" | "kv_consumer" |
 "kv_both", "kv_connector": "MuseConnector", "kv_ip": ..., "kv_port": ...}`.
 
-A producer (prefill instance) listens on `kv_ip:kv_port` for decode instances pulling KV
-blocks; a consumer (decode instance) pulls from the producer a request's
-`kv_transfer_params` name. vLLM's other fields are accepted and have no effect here.
+With the `MuseConnector` a producer (prefill instance) listens on `kv_ip:kv_port` for decode
+instances pulling KV blocks; a consumer (decode instance) pulls from the producer a
+request's `kv_transfer_params` name. The `SharedStorageConnector` reads and writes
+`kv_connector_extra_config.shared_storage_path`; `kv_connector_module_path` names the module
+of a connector class of your own (`muse/disagg/connector.py`). vLLM's other fields are
+accepted and have no effect here.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from typing import Any
 from muse.json_options import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("MuseConnector",)
+CONNECTORS = ("MuseConnector", "SharedStorageConnector")
 # vLLM's fields that describe its own connectors' buffers and ranks.
 IGNORED_FIELDS = ("kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_buffer_size",
-                  "kv_connector_extra_config", "engine_id", "kv_load_failure_policy")
+                  "engine_id", "kv_load_failure_policy")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class KVTransferConfig:
     # How long a producer holds a finished prefill's blocks for a pull, and how long a pull
     # may take before the decode instance computes the prompt itself.
     kv_transfer_timeout_s: float = 30.0
+    kv_connector_extra_config: dict[str, Any] | None = None
+    kv_connector_module_path: str | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -60,9 +65,20 @@ class KVTransferConfig:
         if self.kv_connector == "NixlConnector":
             raise ValueError("the NixlConnector needs the `nixl` package, which is not "
                              "supported yet: use 'MuseConnector' (torch.distributed)")
-        if self.kv_connector not in CONNECTORS:
+        if self.kv_connector_extra_config is not None \
+                and not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("`kv_connector_extra_config` must be an object")
+        if self.kv_connector_module_path is not None:
+            if not isinstance(self.kv_connector_module_path, str):
+                raise ValueError("`kv_connector_module_path` must be a module name")
+        elif self.kv_connector not in CONNECTORS:
             raise ValueError(f"`kv_connector` must be one of {list(CONNECTORS)}, got "
                              f"{self.kv_connector!r}")
+        elif self.kv_connector == "SharedStorageConnector":
+            path = (self.kv_connector_extra_config or {}).get("shared_storage_path")
+            if not isinstance(path, str) or not path:
+                raise ValueError('the SharedStorageConnector needs `kv_connector_extra_config`: '
+                                 '{"shared_storage_path": DIR}')
         if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
             raise ValueError(f"`kv_port` must be a TCP port, got {self.kv_port!r}")
         if not self.kv_transfer_timeout_s > 0:

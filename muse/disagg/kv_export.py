@@ -12,12 +12,9 @@ from __future__ import annotations
 import queue
 import time
 
-import torch
-
 from muse.disagg.config import KVTransferConfig
-from muse.disagg.engine_kv import EngineKV
-from muse.disagg.transport import PairListener, PulledBlocks
-from muse.engine.host_kv_store import gather_blocks
+from muse.disagg.engine_kv import EngineKV, PulledBlocks, read_blocks
+from muse.disagg.transport import PairListener
 from muse.engine.prefix_keys import BlockKey
 
 
@@ -48,14 +45,7 @@ class KVExporter:
                 request_id, keys, reply = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            pulled: PulledBlocks = {}
-            for kind, group in kv_cache.groups.items():
-                blocks = [group.index.lookup(key) for key in keys]
-                found = [block for block in blocks if block is not None]
-                data = gather_blocks(self.kv.kv_caches, self.kv.layers[kind], found).cpu() \
-                    if found else torch.zeros(0)
-                pulled[kind] = ([block is not None for block in blocks],
-                                data.contiguous().view(torch.uint8).reshape(len(found), -1))
+            pulled = read_blocks(self.kv, keys)
             kv_cache.release_hold(request_id)
             reply.put(pulled)
 

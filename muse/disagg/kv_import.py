@@ -3,7 +3,7 @@
 prefill instance named there and enter them in the prefix cache, as if this instance had
 computed them; the request then finds them as a prefix-cache hit and computes only the rest.
 The pull runs on a transport thread while the engine steps on; the engine's thread enters
-the blocks (`enter`) and queues the request.
+the blocks (`engine_kv.enter_blocks`) and queues the request.
 
 A pull that fails leaves the cache as it was: the request computes its whole prompt here.
 """
@@ -15,9 +15,8 @@ from typing import Any
 
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.engine_kv import EngineKV
-from muse.disagg.transport import PairClient, PulledBlocks
+from muse.disagg.transport import PairClient
 from muse.engine.errors import InvalidRequestError
-from muse.engine.host_kv_store import put_blocks
 from muse.engine.prefix_keys import prompt_block_keys
 
 REMOTE_FIELDS = ("remote_host", "remote_port", "remote_request_id")
@@ -45,35 +44,8 @@ class KVImporter:
     def start(self, params: dict[str, Any], prompt_token_ids: list[int],
               cache_salt: str | None = None) -> Future:
         """Pull the prompt's blocks on the transport thread (the engine steps on meanwhile);
-        the future's result goes to `enter`, its exception is a KVTransferError."""
+        the future's result, (keys, blocks), goes to `enter_blocks`, its exception is a KVTransferError."""
         keys = prompt_block_keys(prompt_token_ids, self.kv.kv_cache.block_size, cache_salt)
         return self.pulls.submit(lambda: (keys, self.client.pull(
             str(params["remote_host"]), int(params["remote_port"]),
             str(params["remote_request_id"]), keys)))
-
-    def enter(self, keys: list[bytes], pulled: PulledBlocks) -> int:
-        """Put pulled blocks into fresh GPU blocks and the prefix index (on the engine's
-        thread); returns how many blocks of the prompt the index now holds in its first
-        kind."""
-        kv_cache, kv_caches, layers = self.kv.kv_cache, self.kv.kv_caches, self.kv.layers
-        cache = kv_caches[0][0]
-        for kind, (present, data) in pulled.items():
-            group = kv_cache.groups[kind]
-            rows = data.view(cache.dtype).view(len(data), len(layers[kind]), 2,
-                                               *cache.shape[1:])
-            taken: list[tuple[int, int, bytes]] = []  # (row, block, key)
-            row = 0
-            for key, found in zip(keys, present):
-                if not found:
-                    continue
-                if group.index.lookup(key) is None and group.pool.num_free:
-                    taken.append((row, group.pool.allocate(), key))
-                row += 1
-            if taken:
-                put_blocks(kv_caches, layers[kind], [b for _, b, _ in taken],
-                           rows[[r for r, _, _ in taken]].to(cache.device))
-            for _, block, key in taken:
-                group.index.register(block, key)
-                group.pool.release(block)  # cached and free, as a finished request's
-        first = kv_cache.groups[next(iter(kv_cache.groups))].index
-        return sum(1 for key in keys if first.lookup(key) is not None)

@@ -28,14 +28,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from muse.disagg.engine_kv import PulledBlocks
 from muse.engine.prefix_keys import BlockKey
 
 logger = logging.getLogger("muse.disagg")
 HEADER = 6
 KEY_BYTES = 32
 STATUS_OK, STATUS_MISMATCH = 0, 1
-# kind -> (which keys it holds, their blocks' bytes [count, block bytes])
-PulledBlocks = dict[str, tuple[list[bool], torch.Tensor]]
 PullHandler = Callable[[str, list[BlockKey]], PulledBlocks]
 
 

@@ -17,9 +17,9 @@ import torch
 
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.disagg.config import KVTransferConfig
-from muse.disagg.engine_kv import EngineKV
-from muse.disagg.kv_export import KVExporter
-from muse.disagg.kv_import import KVImporter, check_kv_transfer_params
+from muse.disagg.connector import KVConnector, load_connector
+from muse.disagg.engine_kv import EngineKV, enter_blocks
+from muse.disagg.kv_import import check_kv_transfer_params
 from muse.disagg.transport import KVTransferError
 from muse.engine.args import EngineArgs
 from muse.engine.cuda_graphs import DecodeGraphs
@@ -329,13 +329,15 @@ class EngineCore:
         self.kv_cache = KVCacheManager(args.block_size, self.num_blocks,
                                        self.config.sliding_window, args.enable_prefix_caching,
                                        offload)
-        self.kv_exporter, self.kv_importer = self._kv_transfer()
+        self.kv_connector = self._kv_connector()
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         if self.speculative is not None:
             self.runner.rejection_sample_method = self.speculative.rejection_sample_method
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.resolve_max_num_encoder_input_tokens(),
                                    self.encoder_cache)
+        if self.kv_connector is not None:
+            self.scheduler.on_finish = self.kv_connector.request_finished
         self.requests: dict[str, list[Request]] = {}  # group id -> its n samples
         self.pending_siblings: dict[str, list[Request]] = {}  # parent id -> waiting samples
         self.in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
@@ -346,21 +348,21 @@ class EngineCore:
         self.kv_waiting: dict[str, tuple[Future, Any, Any]] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
 
-    def _kv_transfer(self) -> tuple[KVExporter | None, KVImporter | None]:
-        """This instance's side of prefill / decode disaggregation (`kv_transfer_config`)."""
+    def _kv_connector(self) -> KVConnector | None:
+        """The KV connector `kv_transfer_config` names (`muse/disagg/connector.py`), if any."""
         config = KVTransferConfig.parse(self.args.kv_transfer_config)
         if config is None:
-            return None, None
-        kv = EngineKV.of(self.kv_cache, self.executor.worker.kv_caches, self.model.layer_types,
-                         self.block_bytes)
-        return (KVExporter(kv, config) if config.is_producer else None,
-                KVImporter(kv, config) if config.is_consumer else None)
+            return None
+        self.kv = EngineKV.of(self.kv_cache, self.executor.worker.kv_caches,
+                              self.model.layer_types, self.block_bytes)
+        connector = load_connector(self.kv, config)
+        return connector
 
     def serve_kv_pulls(self) -> None:
-        """Answer decode instances' pulls of KV blocks (a prefill instance; call between
-        steps, also while idle)."""
-        if self.kv_exporter is not None:
-            self.kv_exporter.serve()
+        """Let the KV connector answer transfers (a prefill instance's pulls): each step
+        does; call it while idle too."""
+        if self.kv_connector is not None:
+            self.kv_connector.serve()
 
     def data_parallel_replica(self) -> EngineCore:
         """The scheduling side of another data-parallel rank: its own queue, KV block manager
@@ -438,6 +440,8 @@ class EngineCore:
         """Stop the worker processes (if any) and leave the world; stop the encoder workers
         (with `encoder_workers`)."""
         try:
+            if getattr(self, "kv_connector", None) is not None:
+                self.kv_connector.close()
             self.executor.shutdown()
         finally:
             close_encoders(self.encoders)
@@ -550,10 +554,10 @@ class EngineCore:
         if spec is not None:
             spec.check(self.args.max_grammar_bytes)
             compiled = self._grammar_jobs().cache.get(spec.grammar_key)
-        pull = None  # valid so far: the prompt's blocks may be pulled
-        if kv_transfer_params is not None and kv_transfer_params.get("do_remote_prefill") \
-                and self.kv_importer is not None and not media:
-            pull = self.kv_importer.start(kv_transfer_params, prompt_token_ids, cache_salt)
+        pull = None  # valid so far: the connector may bring the prompt's blocks
+        if self.kv_connector is not None and not media and adapter is None:
+            pull = self.kv_connector.start_load_kv(request_id, prompt_token_ids, cache_salt,
+                                                   kv_transfer_params)
         samples = []
         for index in range(params.n):
             samples.append(Request(
@@ -564,8 +568,8 @@ class EngineCore:
                 parent=samples[0] if index else None,
                 generator=self._generator(params, index), media=media,
                 cache_salt=cache_salt, lora=adapter, hold_kv_for_transfer=bool(
-                    kv_transfer_params and kv_transfer_params.get("do_remote_decode")
-                    and self.kv_exporter is not None)))
+                    self.kv_connector is not None
+                    and self.kv_connector.delay_free(kv_transfer_params))))
         self.requests[request_id] = samples
         if pull is not None:  # queued once its prompt's blocks are here (`_take_pulled_kv`)
             self.kv_waiting[request_id] = (pull, spec, compiled)
@@ -588,7 +592,7 @@ class EngineCore:
                 continue
             del self.kv_waiting[group_id]
             try:
-                self.kv_importer.enter(*pull.result())
+                enter_blocks(self.kv, *pull.result())
             except KVTransferError as error:
                 logger.warning("%s; computing the prompt here instead", error)
             self._admit(group_id, self.requests[group_id], spec, compiled)
@@ -768,6 +772,7 @@ class EngineCore:
         returned are those of the previous step. Requests whose grammar failed to compile
         are returned finished, with `error` set."""
         failed = self._collect_grammars()
+        self.serve_kv_pulls()
         self._take_pulled_kv()
         previous, self.in_flight = self.in_flight, None
         if self.speculative is not None:
@@ -882,6 +887,7 @@ class EngineCore:
         requests whose grammar failed, and its scheduled batch (None when it has nothing to
         run). `finish_step` takes the logits."""
         failed = self._collect_grammars()
+        self.serve_kv_pulls()
         self._take_pulled_kv()
         scheduled = self.scheduler.schedule().scheduled
         return failed, self.runner.prepare(scheduled) if scheduled else None

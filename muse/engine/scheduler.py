@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from muse.engine.kv_cache import KVCacheManager
@@ -74,6 +75,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in arrival order: newest is preempted first
         self.num_preemptions = 0
+        # Called with each retired request before its blocks go back (a KV connector's).
+        self.on_finish: Callable[[Request], None] | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -91,6 +94,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status, request.finish_reason = status, reason
         request.num_pending_tokens = 0  # a step in flight computed past the end: discarded
+        if self.on_finish is not None:  # a KV connector's look at the blocks, still in place
+            self.on_finish(request)
         self.kv_cache.free(request)
         if self.pins is not None:
             self.pins.release(request.request_id)

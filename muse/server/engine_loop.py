@@ -204,9 +204,10 @@ class EngineLoop:
                 if isinstance(command, Shutdown):
                     return
                 outputs.extend(self._handle(command))
-            self.engine.serve_kv_pulls()
             if self.engine.has_unfinished():
                 outputs.extend(self._outputs(self.engine.step()))
+            else:
+                self.engine.serve_kv_pulls()  # a step serves them itself
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S or outputs:
                 self.engine.check_health()  # a worker rank that died while idle
