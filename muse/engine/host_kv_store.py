@@ -80,11 +80,11 @@ class HostKVStore:
         order = sorted(range(len(slots)), key=slots.__getitem__)
         rows = gather_blocks(self.kv_caches, self.layers[kind], [blocks[i] for i in order])
         stream = self.save_stream
+        if stream is not None:  # after the gather, and after loads that read the slots
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(self.load_stream)
+            rows.record_stream(stream)
         with self._on(stream):
-            if stream is not None:  # after the gather, and after loads that read the slots
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                stream.wait_stream(self.load_stream)
-                rows.record_stream(stream)
             for first, start, count in _runs([slots[i] for i in order]):
                 self.slots[kind][start:start + count].copy_(rows[first:first + count],
                                                             non_blocking=True)

@@ -28,6 +28,13 @@ def block(kv: list[tuple[torch.Tensor, torch.Tensor]], kind: str, index: int) ->
                         if t == kind]).cpu()
 
 
+def busy(device: str) -> None:
+    """Keep the compute stream busy for a while (on a GPU), so copies on other streams that
+    do not wait for it would run ahead of its work."""
+    if device == "cuda":
+        torch.cuda._sleep(200_000_000)
+
+
 def test_runs_of_consecutive_slots() -> None:
     assert _runs([]) == []
     assert _runs([3, 4, 5, 9, 10, 12]) == [(0, 3, 3), (3, 9, 2), (5, 12, 1)]
@@ -45,6 +52,7 @@ def test_saved_blocks_come_back_after_their_blocks_are_overwritten(device, tmp_p
     # Blocks 0-5 to slots out of order (runs and single slots); then the "forward pass"
     # overwrites them at once, as write-back lets it.
     slots = [9, 2, 3, 4, 15, 10]
+    busy(device)  # the gather then runs late: the save's copies must wait for it
     store.apply(KVTransfers(saves=[(kind, b, s) for kind in kinds
                                    for b, s in enumerate(slots)]))
     for k, v in kv:
@@ -52,6 +60,7 @@ def test_saved_blocks_come_back_after_their_blocks_are_overwritten(device, tmp_p
         v[:6].fill_(-1.0)
     # The next step saves block 6 into slot 0 and loads slots 0, 2, 15 and 10 (one saved in
     # this very step) into blocks 20-23; a slot goes to disk, and comes back from it.
+    busy(device)
     store.apply(KVTransfers(saves=[(kind, 6, 0) for kind in kinds],
                             loads=[(kind, s, 20 + i) for kind in kinds
                                    for i, s in enumerate([0, 2, 15, 10])]))
