@@ -263,3 +263,18 @@ def test_real_size_json(tmp_path):
     cut = real_size.cut_config("muse-spark-open-816b-a42b", 4).text_config
     assert cut.hidden_size == 8192 and cut.num_experts == 256
     assert cut.layer_types == ["sliding_attention", "full_attention"] * 2
+
+
+def test_kv_offload_copies_json(tmp_path):
+    from benchmarks import kv_offload_copies
+
+    out = tmp_path / "kv-copies.json"
+    record = kv_offload_copies.main(["--preset", "muse-spark-tiny", "--device", "cpu",
+                                     "--blocks", "2,8", "--gpu-blocks", "32",
+                                     "--host-blocks", "16", "--repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "kv_offload_copies"
+    assert [row["blocks_per_kind"] for row in record["rows"]] == [2, 8]
+    for row in record["rows"]:
+        assert positive(row["bytes"])
+        for phase in ("save", "load"):
+            assert positive(row[phase]["host_ms"]) and row[phase]["compute_ms"] is None
