@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from muse.engine.host_kv_store import gather_blocks, layers_by_kind, put_blocks
+from muse.engine.host_kv_store import layers_by_kind
 from muse.engine.kv_cache import KVCacheManager
 from muse.engine.prefix_keys import BlockKey
+from muse.kernels.kv_blocks import gather_blocks, put_blocks
 
 # kind -> (which keys it holds, their blocks' bytes [count, block bytes], each as it is in
 # memory: [layers, 2, block_size, kv_heads, head_dim] of the KV dtype)

@@ -6,14 +6,15 @@ A slot of kind k holds one block of every layer of kind k this rank keeps, K and
 the copy engines move blocks straight between them and the device without a host-side
 copy, on two streams of their own (one per direction, so saves and loads move at once):
 
-- saves: the blocks' rows are gathered into one device buffer on the compute stream (so the
-  forward pass may then overwrite the blocks: write-back reuses them), and the save stream
-  moves the buffer into the slots, one copy per run of consecutive slots, while the forward
-  pass runs: saves never hold up a step. The save stream first waits for the loads queued
+- saves: the blocks' rows are gathered into one device buffer on the compute stream, in
+  one launch over all layers (`muse.kernels.kv_blocks`), so the forward pass may then
+  overwrite the blocks (write-back reuses them); the save stream moves the buffer into the
+  slots, one copy per run of consecutive slots, while the forward pass runs: saves never
+  hold up a step. The save stream first waits for the loads queued
   before (a slot being reused may still be read);
 - loads: the load stream moves the slots into a device buffer, after the saves still
   writing any of those slots (an event per save), and the compute stream waits for it, then
-  scatters the buffer into the blocks ahead of the forward pass.
+  scatters the buffer into the blocks ahead of the forward pass (one launch too).
 
 The host reads slots only to write disk files: it waits for the save stream first. A file
 holds a slot's bytes as they are in memory.
@@ -33,7 +34,7 @@ import torch
 
 from muse.engine.kv_offload import disk_file
 from muse.engine.kv_transfers import KVTransfers
-from muse.engine.transfer import to_device
+from muse.kernels.kv_blocks import KVBlocks
 
 
 class HostKVStore:
@@ -42,6 +43,7 @@ class HostKVStore:
                  shard: str = "") -> None:
         self.kv_caches = kv_caches
         self.layers = layers_by_kind(layer_types, host_blocks)
+        self.blocks = {kind: KVBlocks(kv_caches, layers) for kind, layers in self.layers.items()}
         cache = kv_caches[0][0]
         self.device = cache.device
         on_gpu = cache.is_cuda
@@ -78,7 +80,7 @@ class HostKVStore:
         if not self.layers[kind]:
             return
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        rows = gather_blocks(self.kv_caches, self.layers[kind], [blocks[i] for i in order])
+        rows = self.blocks[kind].gather([blocks[i] for i in order])
         stream = self.save_stream
         if stream is not None:  # after the gather, and after loads that read the slots
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -131,7 +133,7 @@ class HostKVStore:
         return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
     def _put(self, kind: str, blocks: list[int], rows: torch.Tensor) -> None:
-        put_blocks(self.kv_caches, self.layers[kind], blocks, rows)
+        self.blocks[kind].put(blocks, rows)
 
     def _path(self, kind: str, key_hex: str) -> Path:
         if self.disk_root is None:
@@ -179,25 +181,6 @@ def layers_by_kind(layer_types: list[str], kinds: Iterable[str]) -> dict[str, li
     """The positions in `layer_types` (a rank's layers, as its KV caches are ordered) of
     each kind's layers."""
     return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in kinds}
-
-
-def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],
-                  blocks: list[int]) -> torch.Tensor:
-    """Blocks `blocks` of the layers `layers` (of one kind), on their device:
-    [blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
-    index = to_device(blocks, kv_caches[0][0].device)
-    return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)),
-                                    dim=1) for k, v in (kv_caches[i] for i in layers)], dim=1)
-
-
-def put_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int],
-               blocks: list[int], rows: torch.Tensor) -> None:
-    """Write rows [blocks, layers, 2, ...] (on the caches' device) into `blocks`."""
-    index = to_device(blocks, kv_caches[0][0].device)
-    for position, layer in enumerate(layers):
-        k, v = kv_caches[layer]
-        k.index_copy_(0, index, rows[:, position, 0])
-        v.index_copy_(0, index, rows[:, position, 1])
 
 
 def _runs(sorted_slots: list[int]) -> list[tuple[int, int, int]]:
