@@ -353,10 +353,8 @@ class EngineCore:
         config = KVTransferConfig.parse(self.args.kv_transfer_config)
         if config is None:
             return None
-        self.kv = EngineKV.of(self.kv_cache, self.executor.worker.kv_caches,
-                              self.model.layer_types, self.block_bytes)
-        connector = load_connector(self.kv, config)
-        return connector
+        return load_connector(EngineKV.of(self.kv_cache, self.executor.worker.kv_caches,
+                                          self.model.layer_types, self.block_bytes), config)
 
     def serve_kv_pulls(self) -> None:
         """Let the KV connector answer transfers (a prefill instance's pulls): each step
@@ -592,7 +590,7 @@ class EngineCore:
                 continue
             del self.kv_waiting[group_id]
             try:
-                enter_blocks(self.kv, *pull.result())
+                enter_blocks(self.kv_connector.kv, *pull.result())
             except KVTransferError as error:
                 logger.warning("%s; computing the prompt here instead", error)
             self._admit(group_id, self.requests[group_id], spec, compiled)
