@@ -42,7 +42,12 @@ class SharedStorageConnector(KVConnector):
         if not self.config.is_consumer:
             return None
         keys = prompt_block_keys(prompt_token_ids, self.kv.kv_cache.block_size, cache_salt)
-        return self.io.submit(lambda: (keys, self._read(keys))) if keys else None
+        groups = self.kv.kv_cache.groups
+        first = groups[next(iter(groups))].index
+        if not keys or all(first.lookup(key) is not None for key in keys) \
+                or not any(self._file(kind, keys[0]).exists() for kind in groups):
+            return None  # cached here already, or the directory lacks its first block
+        return self.io.submit(lambda: (keys, self._read(keys)))
 
     def request_finished(self, request: Request) -> None:
         if not self.config.is_producer or request.media or request.lora is not None:
