@@ -41,7 +41,6 @@ class HostKVStore:
     def __init__(self, layer_types: list[str], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  host_blocks: dict[str, int], disk_root: Path | None = None,
                  shard: str = "") -> None:
-        self.kv_caches = kv_caches
         self.layers = layers_by_kind(layer_types, host_blocks)
         self.blocks = {kind: KVBlocks(kv_caches, layers) for kind, layers in self.layers.items()}
         cache = kv_caches[0][0]
