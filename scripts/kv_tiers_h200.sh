@@ -3,7 +3,8 @@
 # muse-spark-15b-a2b (random bf16 weights), one GPU, three servers in turn:
 #   unbounded  the default KV budget, which holds the whole working set (the reference hit rate)
 #   gpu-only   a GPU KV budget of KV_GB GiB, well below the working set (~1M tokens)
-#   host-tier  the same budget, with --kv-offload-gb HOST_GB below it
+#   host-tier-POLICY  the same budget, with --kv-offload-gb HOST_GB below it, once per
+#              write policy of POLICIES
 # Each replays the same trace with the trace's own replies (identical requests); the last
 # step prints the prefix-hit rate and TTFT p50 / p90 of each and writes kv_tiers.json.
 #
@@ -12,7 +13,7 @@
 # Run from the repository root with a python3 that has muse's dependencies (on a GPU image
 # without the web stack, install the wheels of scripts/fetch_server_wheels.sh first).
 # SESSIONS (default 128), KV_GB (default 8: about 150K tokens of global-layer KV), HOST_GB
-# (default 64), POLICY (default write_through), SYSTEM_TOKENS (default 4000) and MAX_LEN
+# (default 64), POLICIES (default "write_through write_back"), SYSTEM_TOKENS (default 4000) and MAX_LEN
 # (default 32768) change the run.
 set -u
 OUT=${1:?usage: scripts/kv_tiers_h200.sh OUT}
@@ -22,7 +23,7 @@ MODEL=${MODEL:-muse-spark-15b-a2b}
 SESSIONS=${SESSIONS:-128}
 KV_GB=${KV_GB:-8}
 HOST_GB=${HOST_GB:-64}
-POLICY=${POLICY:-write_through}
+POLICIES=${POLICIES:-write_through write_back}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-4000}
 MAX_LEN=${MAX_LEN:-32768}
 URL="http://127.0.0.1:$PORT"
@@ -48,25 +49,33 @@ TRACE="$OUT/agentic-unbounded-trace.jsonl"
 start_server gpu-only --kv-cache-memory-bytes "$KV_BYTES" || exit 1
 replay gpu-only --trace "$TRACE"
 stop_server
-start_server host-tier --kv-cache-memory-bytes "$KV_BYTES" --kv-offload-gb "$HOST_GB" \
-    --kv-offload-write-policy "$POLICY" || exit 1
-replay host-tier --trace "$TRACE"
-stop_server
+for POLICY in $POLICIES; do
+    start_server "host-tier-$POLICY" --kv-cache-memory-bytes "$KV_BYTES" \
+        --kv-offload-gb "$HOST_GB" --kv-offload-write-policy "$POLICY" || exit 1
+    replay "host-tier-$POLICY" --trace "$TRACE"
+    stop_server
+done
 
-"$PYTHON" - "$OUT" <<'PY'
+"$PYTHON" - "$OUT" $POLICIES <<'PY'
 import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
+tiers = [f"host-tier-{policy}" for policy in sys.argv[2:]]
 rows = {}
-for name in ("unbounded", "gpu-only", "host-tier"):
+for name in ["unbounded", "gpu-only", *tiers]:
     level = json.loads((out / f"agentic-{name}.json").read_text())["summaries"][0]
     rows[name] = {"hit_rate": level["prefix_cache"]["server_hit_rate"],
                   "ttft_p50_ms": level["ttft_ms"]["p50"], "ttft_p90_ms": level["ttft_ms"]["p90"],
+                  "itl_p50_ms": level["itl_ms"]["p50"], "duration_s": level["duration_s"],
                   "completed": level["completed"], "failed": level["failed"]}
-base, tier, gpu = rows["unbounded"], rows["host-tier"], rows["gpu-only"]
-rows["host_tier_hit_rate_share_of_unbounded"] = tier["hit_rate"] / base["hit_rate"]
-rows["p90_ttft_gain_over_gpu_only"] = 1 - tier["ttft_p90_ms"] / gpu["ttft_p90_ms"]
+base, gpu = rows["unbounded"], rows["gpu-only"]
+for name in tiers:
+    tier = rows[name]
+    if tier["failed"] or tier["hit_rate"] is None:
+        continue  # a failed run has no figures to compare
+    tier["hit_rate_share_of_unbounded"] = tier["hit_rate"] / base["hit_rate"]
+    tier["p90_ttft_gain_over_gpu_only"] = 1 - tier["ttft_p90_ms"] / gpu["ttft_p90_ms"]
 (out / "kv_tiers.json").write_text(json.dumps(rows, indent=2))
 print(json.dumps(rows, indent=2))
 PY
