@@ -227,16 +227,23 @@ def train_grpo(args: GRPOTrainArgs) -> Path:
         from muse.rl.ray_actors import train_with_ray
 
         return train_with_ray(args)
+    joined = not dist.is_initialized()
     world = init_world(args.device)
     trainer = PolicyTrainer(args, world)
     rollouts = RolloutWorker(args, world.device)
-    return GRPOLoop(args, trainer, rollouts, world).run()
+    output = GRPOLoop(args, trainer, rollouts, world).run()
+    if joined and dist.is_initialized():
+        # Leave torchrun's world together: a process that exits with the group alive can
+        # abort in the backend's threads at interpreter teardown.
+        dist.barrier()
+        dist.destroy_process_group()
+    return output
 
 
 def run_from_args(args: argparse.Namespace) -> None:
     fields = {f.name for f in dataclasses.fields(GRPOTrainArgs)}
     out = train_grpo(GRPOTrainArgs(**{k: v for k, v in vars(args).items() if k in fields}))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank (the world is left by now)
         lines = (out / METRICS_FILE).read_text().splitlines()
         last = json.loads(lines[-1])
         accuracy = last.get("eval_accuracy")
