@@ -45,12 +45,13 @@ def main() -> None:
     sampled = llm.chat(conversations, SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, n=args.k, seed=args.seed),
         lora_request=lora)
-    rewards = [[load_reward(task["reward"])(reply.text, task) for reply in out.outputs]
-               for out, task in zip(sampled, tasks)]
+    scores = [load_reward(task["reward"]) for task in tasks]
+    rewards = [[score(reply.text, task) for reply in out.outputs]
+               for out, task, score in zip(sampled, tasks, scores)]
     figures = {"model": args.model, "lora": args.lora, "task": args.task, "num": args.num,
                "k": args.k, "temperature": args.temperature,
-               "greedy": sum(load_reward(task["reward"])(out.outputs[0].text, task)
-                             for out, task in zip(greedy, tasks)) / len(tasks),
+               "greedy": sum(score(out.outputs[0].text, task)
+                             for out, task, score in zip(greedy, tasks, scores)) / len(tasks),
                **pass_at_k(rewards)}
     print(json.dumps(figures, indent=1))
     if args.json:

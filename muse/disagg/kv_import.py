@@ -44,7 +44,8 @@ class KVImporter:
     def start(self, params: dict[str, Any], prompt_token_ids: list[int],
               cache_salt: str | None = None) -> Future:
         """Pull the prompt's blocks on the transport thread (the engine steps on meanwhile);
-        the future's result, (keys, blocks), goes to `enter_blocks`, its exception is a KVTransferError."""
+        the future's result, (keys, blocks), goes to `enter_blocks`; its exception is a
+        KVTransferError."""
         keys = prompt_block_keys(prompt_token_ids, self.kv.kv_cache.block_size, cache_salt)
         return self.pulls.submit(lambda: (keys, self.client.pull(
             str(params["remote_host"]), int(params["remote_port"]),

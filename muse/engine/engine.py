@@ -438,7 +438,7 @@ class EngineCore:
         """Stop the worker processes (if any) and leave the world; stop the encoder workers
         (with `encoder_workers`)."""
         try:
-            if getattr(self, "kv_connector", None) is not None:
+            if self.kv_connector is not None:
                 self.kv_connector.close()
             self.executor.shutdown()
         finally:

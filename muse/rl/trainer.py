@@ -103,13 +103,16 @@ class GRPOLoop:
 
     def headroom(self) -> dict[str, float]:
         """With --eval-pass-at K: `pass_at_k` of K replies per held-out task sampled at the
-        training temperature."""
+        training temperature (logged), else {}."""
         k = self.args.eval_pass_at
         if not (k and self.held_out):
             return {}
         groups = self.rollouts.rollout(self.held_out, k, self.args.seed + 1,
                                        self.args.temperature)
-        return pass_at_k([[t.reward for t in group] for group in groups])
+        measured = pass_at_k([[t.reward for t in group] for group in groups])
+        logger.info("held-out pass@%d %.3f, sample mean %.3f", k, measured["eval_pass_at_k"],
+                    measured["eval_sample_mean"])
+        return measured
 
     def collect(self, step: int) -> tuple[list[list[Trajectory]], list[Trajectory], int]:
         """(the groups to train on, every trajectory sampled, rounds rolled out)."""
@@ -150,7 +153,7 @@ class GRPOLoop:
         self.sync()
         records: list[dict[str, Any]] = []
         accuracy = self.evaluate()
-        records.append({"step": 0, "eval_accuracy": accuracy, **self._headroom(),
+        records.append({"step": 0, "eval_accuracy": accuracy, **self.headroom(),
                         "lora_version": self.version})
         if accuracy is not None:
             logger.info("step 0 held-out %.3f", accuracy)
@@ -180,7 +183,7 @@ class GRPOLoop:
                 "response_tokens": sum(len(t.response_ids) for t in sampled),
                 "lora_version": version,
                 "eval_accuracy": accuracy,
-                **(self._headroom() if last else {}),
+                **(self.headroom() if last else {}),
                 "rollout_s": round(rollout_seconds, 3),
                 "train_s": round(train_seconds, 3),
                 "sync_s": round(sync_seconds, 3),
@@ -203,13 +206,6 @@ class GRPOLoop:
             (self.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             plot_grpo(self.output / METRICS_FILE, self.output / PLOT_FILE)
         return self.output
-
-    def _headroom(self) -> dict[str, float]:
-        measured = self.headroom()
-        if measured:
-            logger.info("held-out pass@%d %.3f, sample mean %.3f", self.args.eval_pass_at,
-                        measured["eval_pass_at_k"], measured["eval_sample_mean"])
-        return measured
 
     def _write(self, record: dict[str, Any], mode: str = "a") -> None:
         if self.world.is_main:

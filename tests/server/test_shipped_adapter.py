@@ -5,6 +5,7 @@ replies on held-out sorting requests."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,8 +47,6 @@ def served(server_logs: Path) -> Iterator[LiveServer]:
 
 
 def test_the_adapter_is_in_the_peft_layout_and_adapts_the_dense_layers() -> None:
-    import json
-
     config = json.loads((ADAPTER / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 32 and config["lora_alpha"] == 64
     assert {"q_proj", "o_proj", "pooler", "unpooler"} <= set(config["target_modules"])
