@@ -6,8 +6,9 @@ The torch twins (`gather_blocks`, `put_blocks`) are two indexed copies a layer a
 a 28-layer model's save is then ~90 kernel launches. `KVBlocks` on a GPU does each direction
 in one Triton launch over all layers, reading the layers' cache addresses from a table on
 the device (program (i, pair, tile) copies one tile of block i of one layer's K or V), words
-of 4 bytes at a time whatever the cache dtype. Caches must be contiguous
-[blocks, block_size, kv_heads, head_dim] tensors of one dtype (they are: `allocate_kv_caches`).
+of 4 bytes at a time whatever the cache dtype. The layers' caches must be contiguous
+[blocks, block_size, kv_heads, head_dim] tensors of one shape and dtype (they are:
+`allocate_kv_caches` gives the layers of a kind the same number of blocks).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class KVBlocks:
     def __init__(self, kv_caches: KVCaches, layers: list[int],
                  use_triton: bool | None = None) -> None:
         self.kv_caches, self.layers = kv_caches, layers
-        cache = kv_caches[0][0]
+        # The kind's first layer: other kinds' caches may hold another number of blocks.
+        cache = kv_caches[layers[0] if layers else 0][0]
         self.device = cache.device
         self.row_shape = (len(layers), 2, *cache.shape[1:])
         self.dtype = cache.dtype

@@ -43,6 +43,14 @@ def test_gather_and_put_match_the_twins(dtype, heads, dim, layers):
         assert torch.equal(v.view(torch.uint8), tv.view(torch.uint8))
 
 
+def test_a_kind_whose_caches_hold_another_number_of_blocks_than_the_first_layer():
+    """Sliding and global layers interleave, each kind with its own block count."""
+    sliding, full = caches(torch.bfloat16, 2, 32, blocks=6), caches(torch.bfloat16, 2, 32, seed=2)
+    kv = [sliding[0], full[1], sliding[2], full[3], sliding[4]]
+    blocks = KVBlocks(kv, [1, 3], use_triton=True)
+    assert torch.equal(blocks.gather([11, 2]), gather_blocks(kv, [1, 3], [11, 2]))
+
+
 def test_no_blocks_and_bad_caches():
     kv = caches(torch.float32, 1, 16)
     blocks = KVBlocks(kv, [0, 1], use_triton=True)
