@@ -50,6 +50,7 @@ def _time(store: HostKVStore, transfers: KVTransfers, device: torch.device,
             start.record()
         began = time.perf_counter()
         store.apply(transfers)
+        store.finish_loads()
         host.append(time.perf_counter() - began)
         if device.type == "cuda":
             end.record()

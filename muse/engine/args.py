@@ -44,7 +44,7 @@ class EngineArgs:
     # (SGLang's `--hicache-size`; 0: none), when blocks reach it, and a directory of files
     # below it that outlives the process, within its own GiB budget.
     kv_offload_gb: float = 0.0
-    kv_offload_write_policy: str = "write_through"
+    kv_offload_write_policy: str = "write_back"
     kv_offload_disk: str | None = None
     kv_offload_disk_gb: float = 64.0
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)

@@ -1,23 +1,29 @@
 """A worker rank's lower KV tiers: host-memory slots for its share of the K/V, and its files
 in the disk tier's directory; `apply` makes a step's `KVTransfers` (see there for the order).
 
-A slot of kind k holds one block of every layer of kind k this rank keeps, K and V:
-[slots, layers of k, 2, block_size, kv_heads, head_dim]. On a GPU the slots are pinned, so
-the copy engines move blocks straight between them and the device without a host-side
-copy, on two streams of their own (one per direction, so saves and loads move at once):
+A rank's layers fall in `LOAD_GROUPS` groups of consecutive layers. A slot of kind k holds
+one block of every layer of kind k this rank keeps, K and V, in a tensor per group:
+[slots, layers of k in the group, 2, block_size, kv_heads, head_dim]. On a GPU the slots
+are pinned, so the copy engines move blocks straight between them and the device without a
+host-side copy, on two streams of their own (one per direction, so saves and loads move at
+once):
 
-- saves: the blocks' rows are gathered into one device buffer on the compute stream, in
-  one launch over all layers (`muse.kernels.kv_blocks`), so the forward pass may then
-  overwrite the blocks (write-back reuses them); the save stream moves the buffer into the
-  slots, one copy per run of consecutive slots, while the forward pass runs: saves never
-  hold up a step. The save stream first waits for the loads queued
+- saves: the blocks' rows are gathered into device buffers on the compute stream, in one
+  launch per group over its layers (`muse.kernels.kv_blocks`), so the forward pass may
+  then overwrite the blocks (write-back reuses them); the save stream moves the buffers
+  into the slots, one copy per group and run of consecutive slots, while the forward pass
+  runs: saves never hold up a step. The save stream first waits for the loads queued
   before (a slot being reused may still be read);
-- loads: the load stream moves the slots into a device buffer, after the saves still
-  writing any of those slots (an event per save), and the compute stream waits for it, then
-  scatters the buffer into the blocks ahead of the forward pass (one launch too).
+- loads: the load stream moves the slots into device buffers group by group, after the
+  saves still writing any of those slots (an event per save); the forward pass calls
+  `before_layer` at each of its layers, and at a group's first layer the compute stream
+  waits for that group's copies and scatters them into the blocks. So the first layers
+  run while the later groups are still crossing PCIe: the load overlaps the prefill of
+  the new tokens. A captured graph's replay calls no hooks: `finish_loads` lands them all
+  before it.
 
 The host reads slots only to write disk files: it waits for the save stream first. A file
-holds a slot's bytes as they are in memory.
+holds a slot's layers in order, as they are in memory.
 """
 
 from __future__ import annotations
@@ -36,85 +42,131 @@ from muse.engine.kv_offload import disk_file
 from muse.engine.kv_transfers import KVTransfers
 from muse.kernels.kv_blocks import KVBlocks
 
+# Loads from host memory land in this many groups of consecutive layers, each just before
+# the forward pass reaches it: the first group's wait is a quarter of the whole load's, and
+# a save or load is a copy per group and run of slots.
+LOAD_GROUPS = 4
+
 
 class HostKVStore:
     def __init__(self, layer_types: list[str], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  host_blocks: dict[str, int], disk_root: Path | None = None,
-                 shard: str = "") -> None:
-        self.layers = layers_by_kind(layer_types, host_blocks)
-        self.blocks = {kind: KVBlocks(kv_caches, layers) for kind, layers in self.layers.items()}
+                 shard: str = "", load_groups: int = LOAD_GROUPS) -> None:
+        # Each kind's layers, split by the group of consecutive layers (of all kinds) they
+        # belong to: (group, positions) for the groups that have some.
+        self.parts = {kind: layer_groups(layer_types, kind, load_groups) for kind in host_blocks}
+        # Each group's first layer (position), whose hook lands the group's loads.
+        self.group_starts: dict[int, int] = {}
+        for position in range(len(layer_types)):
+            self.group_starts.setdefault(position * load_groups // len(layer_types), position)
+        self.blocks = {kind: [KVBlocks(kv_caches, layers) for _, layers in parts]
+                       for kind, parts in self.parts.items()}
         cache = kv_caches[0][0]
         self.device = cache.device
         on_gpu = cache.is_cuda
-        self.slots = {kind: torch.empty((n, len(self.layers[kind]), 2, *cache.shape[1:]),
-                                        dtype=cache.dtype)
-                      for kind, n in host_blocks.items()}
+        self.slots = {kind: [torch.empty((host_blocks[kind], len(layers), 2, *cache.shape[1:]),
+                                         dtype=cache.dtype) for _, layers in parts]
+                      for kind, parts in self.parts.items()}
         self.save_stream = self.load_stream = None
         # (kind, slot) -> the event after the last save into it, while it may be running.
         self.saving: dict[tuple[str, int], torch.cuda.Event] = {}
         self.forget_at = 1024
+        # Loads whose scatter waits for the layer group they fill: group -> (event after
+        # the group's copies or None, KVBlocks, blocks, rows).
+        self.pending: dict[int, list[tuple[torch.cuda.Event | None, KVBlocks, list[int],
+                                           torch.Tensor]]] = defaultdict(list)
         if on_gpu:
             self.save_stream = torch.cuda.Stream(self.device)
             self.load_stream = torch.cuda.Stream(self.device)
-            pin(list(self.slots.values()), self)
+            pin([t for parts in self.slots.values() for t in parts], self)
         self.disk_root = disk_root
         self.shard = shard
 
     @torch.inference_mode()
     def apply(self, transfers: KVTransfers) -> None:
+        """Make a step's copies; its loads from host memory land layer group by layer group
+        as the forward pass reaches them (`before_layer`), or all at once with
+        `finish_loads`."""
         if transfers.disk_saves and self.save_stream is not None:
             self.save_stream.synchronize()  # the slots' bytes have landed
         for kind, slot, key_hex in transfers.disk_saves:
             self._write(kind, slot, key_hex)
         for kind, (blocks, slots) in _by_kind(transfers.saves).items():
             self._save(kind, blocks, slots)
-        for kind, (slots, blocks) in _by_kind(transfers.loads).items():
-            self._load(kind, slots, blocks)
+        if transfers.loads:
+            self._load(_by_kind(transfers.loads))
         for kind, key_hex, block in transfers.disk_loads:
-            self._put(kind, [block], self._read(kind, key_hex).unsqueeze(0).to(self.device))
+            self._put_slot(kind, block, self._read(kind, key_hex))
         for kind, key_hex in transfers.disk_drops:
             self._path(kind, key_hex).unlink(missing_ok=True)
 
+    def before_layer(self, position: int) -> None:
+        """The forward pass is about to run this rank's layer `position`: the loads of the
+        group it starts land in the blocks first (on the compute stream)."""
+        if position in self.pending:
+            self._scatter(position)
+
+    def finish_loads(self) -> None:
+        """Every pending load lands now (before a forward pass that calls no hooks, such as
+        a captured graph's replay)."""
+        for group in sorted(self.pending):
+            self._scatter(group)
+
+    def _scatter(self, group: int) -> None:
+        compute = torch.cuda.current_stream(self.device) if self.load_stream else None
+        for event, blocks, targets, rows in self.pending.pop(group):
+            if compute is not None:
+                compute.wait_event(event)
+                rows.record_stream(compute)
+            blocks.put(targets, rows)
+
     def _save(self, kind: str, blocks: list[int], slots: list[int]) -> None:
-        if not self.layers[kind]:
-            return
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        rows = self.blocks[kind].gather([blocks[i] for i in order])
+        ordered = [blocks[i] for i in order]
+        runs = _runs([slots[i] for i in order])
+        gathered = [part_blocks.gather(ordered) for part_blocks in self.blocks[kind]]
         stream = self.save_stream
-        if stream is not None:  # after the gather, and after loads that read the slots
+        if stream is not None:  # after the gathers, and after loads that read the slots
             stream.wait_stream(torch.cuda.current_stream(self.device))
             stream.wait_stream(self.load_stream)
-            rows.record_stream(stream)
-        with self._on(stream):
-            for first, start, count in _runs([slots[i] for i in order]):
-                self.slots[kind][start:start + count].copy_(rows[first:first + count],
-                                                            non_blocking=True)
+        for rows, host in zip(gathered, self.slots[kind]):
+            if stream is not None:
+                rows.record_stream(stream)
+            with self._on(stream):
+                for first, start, count in runs:
+                    host[start:start + count].copy_(rows[first:first + count],
+                                                    non_blocking=True)
         if stream is not None:
             done = stream.record_event()
             self._forget_landed_saves()
             self.saving.update(((kind, slot), done) for slot in slots)
 
-    def _load(self, kind: str, slots: list[int], blocks: list[int]) -> None:
-        if not self.layers[kind]:
-            return
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        host = self.slots[kind]
+    def _load(self, loads: dict[str, tuple[list[int], list[int]]]) -> None:
+        """Host slots into device rows on the load stream, group by group in layer order;
+        each group's scatter into the blocks waits in `pending` for its layers."""
         stream = self.load_stream
-        # Allocated on the load stream, which need not wait for the compute stream's queue.
-        with self._on(stream):
-            rows = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype,
-                               device=self.device)
+        plans = []
+        for kind, (slots, blocks) in loads.items():
+            order = sorted(range(len(slots)), key=slots.__getitem__)
+            plans += [(group, kind, part, [blocks[i] for i in order],
+                       _runs([slots[i] for i in order]))
+                      for part, (group, _) in enumerate(self.parts[kind])]
             if stream is not None:  # after the saves still writing these slots
                 for event in {id(e): e for e in (self.saving.get((kind, slot))
                                                  for slot in slots) if e is not None}.values():
                     stream.wait_event(event)
-            for first, start, count in _runs([slots[i] for i in order]):
-                rows[first:first + count].copy_(host[start:start + count], non_blocking=True)
-        if stream is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(stream)
-            rows.record_stream(compute)
-        self._put(kind, [blocks[i] for i in order], rows)
+        # Allocated on the load stream, which need not wait for the compute stream's queue.
+        with self._on(stream):
+            for group, kind, part, targets, runs in sorted(plans, key=lambda plan: plan[0]):
+                host = self.slots[kind][part]
+                rows = torch.empty((len(targets), *host.shape[1:]), dtype=host.dtype,
+                                   device=self.device)
+                for first, start, count in runs:
+                    rows[first:first + count].copy_(host[start:start + count],
+                                                    non_blocking=True)
+                event = stream.record_event() if stream is not None else None
+                self.pending[self.group_starts[group]].append(
+                    (event, self.blocks[kind][part], targets, rows))
 
     def _forget_landed_saves(self) -> None:
         """Drop the entries of saves that have landed, once the map has doubled since the
@@ -131,8 +183,10 @@ class HostKVStore:
         """Work issued inside runs on `stream`; None (a CPU): in place."""
         return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
-    def _put(self, kind: str, blocks: list[int], rows: torch.Tensor) -> None:
-        self.blocks[kind].put(blocks, rows)
+    def _put_slot(self, kind: str, block: int, data: list[torch.Tensor]) -> None:
+        """One slot's parts (host tensors) into `block`, now."""
+        for part_blocks, rows in zip(self.blocks[kind], data):
+            part_blocks.put([block], rows.unsqueeze(0).to(self.device))
 
     def _path(self, kind: str, key_hex: str) -> Path:
         if self.disk_root is None:
@@ -140,15 +194,23 @@ class HostKVStore:
         return disk_file(self.disk_root, kind, key_hex, self.shard)
 
     def _write(self, kind: str, slot: int, key_hex: str) -> None:
+        """A file holds the slot's layers in order, K and V each: the groups' parts one
+        after the other."""
         path = self._path(kind, key_hex)
         partial = path.with_suffix(".partial")
-        self.slots[kind][slot].view(torch.uint8).numpy().tofile(partial)
+        with open(partial, "wb") as file:
+            for host in self.slots[kind]:
+                host[slot].view(torch.uint8).numpy().tofile(file)
         os.replace(partial, path)  # a reader never sees half a block
 
-    def _read(self, kind: str, key_hex: str) -> torch.Tensor:
-        shape, dtype = self.slots[kind].shape[1:], self.slots[kind].dtype
+    def _read(self, kind: str, key_hex: str) -> list[torch.Tensor]:
         data = torch.from_numpy(np.fromfile(self._path(kind, key_hex), dtype=np.uint8))
-        return data.view(dtype).view(shape)
+        parts, offset = [], 0
+        for host in self.slots[kind]:
+            size = host[0].numel() * host.element_size()
+            parts.append(data[offset:offset + size].view(host.dtype).view(host.shape[1:]))
+            offset += size
+        return parts
 
 
 def pin(tensors: list[torch.Tensor], owner: object) -> None:
@@ -180,6 +242,17 @@ def layers_by_kind(layer_types: list[str], kinds: Iterable[str]) -> dict[str, li
     """The positions in `layer_types` (a rank's layers, as its KV caches are ordered) of
     each kind's layers."""
     return {kind: [i for i, t in enumerate(layer_types) if t == kind] for kind in kinds}
+
+
+def layer_groups(layer_types: list[str], kind: str, groups: int) -> list[tuple[int, list[int]]]:
+    """The positions in `layer_types` (a rank's layers, as its KV caches are ordered) of
+    `kind`'s layers, by the group of consecutive layers they fall in (`groups` groups of
+    about equal size): (group, positions) for each group that has some."""
+    by_group: dict[int, list[int]] = defaultdict(list)
+    for position, layer_type in enumerate(layer_types):
+        if layer_type == kind:
+            by_group[position * groups // len(layer_types)].append(position)
+    return sorted(by_group.items())
 
 
 def _runs(sorted_slots: list[int]) -> list[tuple[int, int, int]]:

@@ -39,8 +39,11 @@ class ModelWorker:
                  encoder_cache: EncoderCache | None = None,
                  host_store: HostKVStore | None = None) -> None:
         self.model = model
-        # This rank's host-memory (and disk) KV tiers, when the engine has them.
+        # This rank's host-memory (and disk) KV tiers, when the engine has them; their loads
+        # land layer group by layer group inside eager forwards.
         self.host_store = host_store
+        if host_store is not None:
+            model.layer_hooks = host_store
         # The image / audio encoders (when the model has them) and the cache of their outputs.
         self.encoders = encoders
         self.encoder_cache = encoder_cache
@@ -113,11 +116,15 @@ class ModelWorker:
             self.host_store.apply(batch.kv_transfers)
         if get_pp_group().world_size > 1:
             # Only the first stage reads embeddings, so only it scatters the media rows.
-            return self._execute_stage(batch, logits_rows)
-        if batch.media:
-            return self._logits(self._forward_media(batch, pending, previous_tokens),
-                                logits_rows)
-        return self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
+            logits = self._execute_stage(batch, logits_rows)
+        elif batch.media:
+            logits = self._logits(self._forward_media(batch, pending, previous_tokens),
+                                  logits_rows)
+        else:
+            logits = self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
+        if self.host_store is not None and self.host_store.pending:
+            raise RuntimeError("host-tier loads were left pending after a forward pass")
+        return logits
 
     def _logits(self, hidden: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
         if not logits_rows:
@@ -204,6 +211,8 @@ class ModelWorker:
                 targets, sources = pending
                 self._fill_pending(graphs.input_ids, (graphs.input_rows(targets), sources),
                                    previous_tokens)
+                if self.host_store is not None:
+                    self.host_store.finish_loads()  # a replay calls no layer hooks
                 return graphs.replay(size, batch)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:

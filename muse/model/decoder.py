@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,6 +30,10 @@ from muse.rope import cos_sin, inverse_frequencies
 
 Rotary = dict[str, tuple[torch.Tensor, torch.Tensor]]
 _LAYER_NAME = re.compile(r"^model\.layers\.(?P<index>\d+)\.")
+
+
+class LayerHooks(Protocol):
+    def before_layer(self, position: int) -> None: ...
 
 
 class EngineDecoderLayer(nn.Module):
@@ -124,6 +129,9 @@ class EngineModel(nn.Module):
         # Set by `muse.lora.manager.LoRAManager`: each forward tells the adapted layers which
         # adapter slot each token uses.
         self.lora_context = None
+        # Called with each of this rank's layers' position before the layer runs (eager
+        # forwards only): `before_layer(position)`. The host KV tier lands its loads there.
+        self.layer_hooks: LayerHooks | None = None
 
     def calculate_kv_scales_on_next_step(self) -> None:
         """The next forward's K/V set the FP8 KV scales of every layer, which stay fixed
@@ -192,7 +200,11 @@ class EngineModel(nn.Module):
             self.lora_context.indices = None if meta.lora_slots is None \
                 else meta.lora_slots[meta.token_request]
         captured = []
-        for (index, layer), kv_cache in zip(self.model.layers.items(), kv_caches):
+        hooks = self.layer_hooks
+        for position, ((index, layer), kv_cache) in enumerate(zip(self.model.layers.items(),
+                                                                  kv_caches)):
+            if hooks is not None:
+                hooks.before_layer(position)
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
             if int(index) in self.capture_layers:
                 captured.append(x + residual)  # the layer's output, as the reference's

@@ -68,7 +68,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="GiB of host memory per GPU (rank) below the GPU KV cache: cached prefixes "
              "evicted from the GPU load back from it instead of being recomputed (default: "
              "%(default)s: none)")
-    add("--kv-offload-write-policy", "--hicache-write-policy", default="write_through",
+    add("--kv-offload-write-policy", "--hicache-write-policy", default="write_back",
         choices=["write_through", "write_back"],
         help="when full blocks reach host memory: as soon as they are computed, or when the "
              "GPU evicts them (default: %(default)s)")

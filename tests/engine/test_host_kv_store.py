@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muse.engine.host_kv_store import HostKVStore, _runs
+from muse.engine.host_kv_store import HostKVStore, _runs, layer_groups
 from muse.engine.kv_transfers import KVTransfers
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -64,6 +64,7 @@ def test_saved_blocks_come_back_after_their_blocks_are_overwritten(device, tmp_p
     store.apply(KVTransfers(saves=[(kind, 6, 0) for kind in kinds],
                             loads=[(kind, s, 20 + i) for kind in kinds
                                    for i, s in enumerate([0, 2, 15, 10])]))
+    store.finish_loads()
     store.apply(KVTransfers(disk_saves=[("full_attention", 9, "ab" * 32)]))
     store.apply(KVTransfers(disk_loads=[("full_attention", "ab" * 32, 19)]))
     if device == "cuda":
@@ -74,3 +75,35 @@ def test_saved_blocks_come_back_after_their_blocks_are_overwritten(device, tmp_p
     assert torch.equal(block(kv, "full_attention", 19), before[("full_attention", 0)])
     assert torch.equal(block(kv, "sliding_attention", 19),
                        before[("sliding_attention", 19)])  # untouched
+
+
+def test_layer_groups() -> None:
+    types = ["s", "f", "s", "s", "f", "s", "s", "f"]
+    assert layer_groups(types, "f", 4) == [(0, [1]), (2, [4]), (3, [7])]
+    assert layer_groups(types, "s", 4) == [(0, [0]), (1, [2, 3]), (2, [5]), (3, [6])]
+    assert layer_groups(types, "f", 1) == [(0, [1, 4, 7])]
+    assert layer_groups(["f", "f"], "f", 4) == [(0, [0]), (2, [1])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loads_land_a_layer_group_at_a_time_as_the_forward_pass_reaches_it(device) -> None:
+    kv = caches(device)
+    store = HostKVStore(LAYERS, kv, {"sliding_attention": 4, "full_attention": 4},
+                        load_groups=2)  # layers 0-1, then 2-3
+    assert store.group_starts == {0: 0, 1: 2}
+    kinds = ("sliding_attention", "full_attention")
+    saved = {kind: block(kv, kind, 3) for kind in kinds}
+    store.apply(KVTransfers(saves=[(kind, 3, 1) for kind in kinds]))
+    busy(device)
+    store.apply(KVTransfers(loads=[(kind, 1, 7) for kind in kinds]))
+    untouched = block(kv, "sliding_attention", 7)
+    assert torch.equal(block(kv, "full_attention", 7), block(caches(device), "full_attention", 7))
+    store.before_layer(0)  # the first group: layers 0 and 1
+    store.before_layer(1)
+    assert torch.equal(block(kv, "sliding_attention", 7)[0], saved["sliding_attention"][0])
+    assert torch.equal(block(kv, "sliding_attention", 7)[1], untouched[1])  # layer 2: later
+    assert torch.equal(block(kv, "full_attention", 7)[0], saved["full_attention"][0])
+    store.before_layer(2)
+    assert not store.pending
+    for kind in kinds:
+        assert torch.equal(block(kv, kind, 7), saved[kind])

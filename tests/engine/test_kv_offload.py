@@ -78,7 +78,7 @@ def test_the_reload_really_copies(fresh, monkeypatch):
     # Negative control: loads that leave the fresh GPU blocks as they were change the output.
     from muse.engine.host_kv_store import HostKVStore
 
-    monkeypatch.setattr(HostKVStore, "_put", lambda self, kind, blocks, rows: None)
+    monkeypatch.setattr(HostKVStore, "_scatter", lambda self, group: self.pending.pop(group))
     llm = tiny_llm(**tiers(tiny_block_set_bytes(), 64))
     generate(llm, PROMPT)
     for prompt in OTHERS:
