@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The KV-tier run of docs/performance.md: an agentic replay (128 sessions at once) on
-# muse-spark-15b-a2b (random bf16 weights), one GPU, three servers in turn:
-#   unbounded  the default KV budget, which holds the whole working set (the reference hit rate)
+# muse-spark-15b-a2b (random bf16 weights), one GPU, servers in turn:
+#   unbounded  the default KV budget, which holds the whole working set (the reference hit
+#              rate); its run also records the trace and warms the kernel caches
 #   gpu-only   a GPU KV budget of KV_GB GiB, well below the working set (~1M tokens)
 #   host-tier-POLICY  the same budget, with --kv-offload-gb HOST_GB below it, once per
 #              write policy of POLICIES
+# gpu-only and the host tiers run REPEATS times, interleaved (a server started later in the
+# run has found more of its kernels compiled: interleaving spreads that over all of them).
 # Each replays the same trace with the trace's own replies (identical requests); the last
-# step prints the prefix-hit rate and TTFT p50 / p90 of each and writes kv_tiers.json.
+# step prints the prefix-hit rate and TTFT p50 / p90 of each (the mean over the repeats,
+# and each repeat's) and writes kv_tiers.json.
 #
 #   scripts/kv_tiers_h200.sh OUT
 #
 # Run from the repository root with a python3 that has muse's dependencies (on a GPU image
 # without the web stack, install the wheels of scripts/fetch_server_wheels.sh first).
 # SESSIONS (default 128), KV_GB (default 8: about 150K tokens of global-layer KV), HOST_GB
-# (default 64), POLICIES (default "write_through write_back"), SYSTEM_TOKENS (default 4000) and MAX_LEN
-# (default 32768) change the run.
+# (default 64), POLICIES (default "write_through write_back"), REPEATS (default 2),
+# SYSTEM_TOKENS (default 4000) and MAX_LEN (default 32768) change the run.
 set -u
 OUT=${1:?usage: scripts/kv_tiers_h200.sh OUT}
 PYTHON=${PYTHON:-python3}
@@ -24,6 +28,7 @@ SESSIONS=${SESSIONS:-128}
 KV_GB=${KV_GB:-8}
 HOST_GB=${HOST_GB:-64}
 POLICIES=${POLICIES:-write_through write_back}
+REPEATS=${REPEATS:-2}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-4000}
 MAX_LEN=${MAX_LEN:-32768}
 URL="http://127.0.0.1:$PORT"
@@ -46,36 +51,50 @@ replay unbounded --workload agentic --num-sessions "$SESSIONS" --turns 3:5 --thi
     --system-tokens "$SYSTEM_TOKENS" --tool-result-tokens 100:1500 --output-tokens 30:300
 stop_server
 TRACE="$OUT/agentic-unbounded-trace.jsonl"
-start_server gpu-only --kv-cache-memory-bytes "$KV_BYTES" || exit 1
-replay gpu-only --trace "$TRACE"
-stop_server
-for POLICY in $POLICIES; do
-    start_server "host-tier-$POLICY" --kv-cache-memory-bytes "$KV_BYTES" \
-        --kv-offload-gb "$HOST_GB" --kv-offload-write-policy "$POLICY" || exit 1
-    replay "host-tier-$POLICY" --trace "$TRACE"
+for REPEAT in $(seq 1 "$REPEATS"); do
+    start_server "gpu-only-$REPEAT" --kv-cache-memory-bytes "$KV_BYTES" || exit 1
+    replay "gpu-only-$REPEAT" --trace "$TRACE"
     stop_server
+    for POLICY in $POLICIES; do
+        start_server "host-tier-$POLICY-$REPEAT" --kv-cache-memory-bytes "$KV_BYTES" \
+            --kv-offload-gb "$HOST_GB" --kv-offload-write-policy "$POLICY" || exit 1
+        replay "host-tier-$POLICY-$REPEAT" --trace "$TRACE"
+        stop_server
+    done
 done
 
-"$PYTHON" - "$OUT" $POLICIES <<'PY'
-import json, sys
+"$PYTHON" - "$OUT" "$REPEATS" $POLICIES <<'PY'
+import json, statistics, sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
-tiers = [f"host-tier-{policy}" for policy in sys.argv[2:]]
-rows = {}
-for name in ["unbounded", "gpu-only", *tiers]:
-    level = json.loads((out / f"agentic-{name}.json").read_text())["summaries"][0]
-    rows[name] = {"hit_rate": level["prefix_cache"]["server_hit_rate"],
-                  "ttft_p50_ms": level["ttft_ms"]["p50"], "ttft_p90_ms": level["ttft_ms"]["p90"],
-                  "itl_p50_ms": level["itl_ms"]["p50"], "duration_s": level["duration_s"],
-                  "completed": level["completed"], "failed": level["failed"]}
+out, repeats = Path(sys.argv[1]), int(sys.argv[2])
+tiers = [f"host-tier-{policy}" for policy in sys.argv[3:]]
+
+
+def figures(run_id):
+    level = json.loads((out / f"agentic-{run_id}.json").read_text())["summaries"][0]
+    return {"hit_rate": level["prefix_cache"]["server_hit_rate"],
+            "ttft_p50_ms": level["ttft_ms"]["p50"], "ttft_p90_ms": level["ttft_ms"]["p90"],
+            "itl_p50_ms": level["itl_ms"]["p50"], "duration_s": level["duration_s"],
+            "completed": level["completed"], "failed": level["failed"]}
+
+
+rows = {"unbounded": figures("unbounded")}
+for name in ["gpu-only", *tiers]:
+    runs = [figures(f"{name}-{r}") for r in range(1, repeats + 1)]
+    row = {key: statistics.mean(run[key] for run in runs) for key in
+           ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "duration_s")
+           if all(run[key] is not None for run in runs)}
+    row.update(failed=sum(run["failed"] for run in runs), runs=runs)
+    rows[name] = row
 base, gpu = rows["unbounded"], rows["gpu-only"]
 for name in tiers:
     tier = rows[name]
-    if tier["failed"] or tier["hit_rate"] is None:
+    if tier["failed"] or "hit_rate" not in tier:
         continue  # a failed run has no figures to compare
     tier["hit_rate_share_of_unbounded"] = tier["hit_rate"] / base["hit_rate"]
     tier["p90_ttft_gain_over_gpu_only"] = 1 - tier["ttft_p90_ms"] / gpu["ttft_p90_ms"]
 (out / "kv_tiers.json").write_text(json.dumps(rows, indent=2))
-print(json.dumps(rows, indent=2))
+print(json.dumps({name: {k: v for k, v in row.items() if k != "runs"}
+                  for name, row in rows.items()}, indent=2))
 PY

@@ -44,7 +44,7 @@ class EngineArgs:
     # (SGLang's `--hicache-size`; 0: none), when blocks reach it, and a directory of files
     # below it that outlives the process, within its own GiB budget.
     kv_offload_gb: float = 0.0
-    kv_offload_write_policy: str = "write_back"
+    kv_offload_write_policy: str = "write_through"
     kv_offload_disk: str | None = None
     kv_offload_disk_gb: float = 64.0
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
@@ -91,6 +91,8 @@ class EngineArgs:
     speculative_config: Any = None
     # Prefill / decode disaggregation (vLLM's `--kv-transfer-config`; muse.disagg.config).
     kv_transfer_config: Any = None
+    # Encoder disaggregation (vLLM's `--ec-transfer-config`; muse.disagg.encoder_connector).
+    ec_transfer_config: Any = None
     # LoRA adapters (vLLM's names; muse.lora): slots for `max_loras` adapters resident at once,
     # of ranks up to `max_lora_rank`; `lora_modules` ("name=path" or {"name", "path"}) are
     # loaded at start-up.
@@ -171,6 +173,11 @@ class EngineArgs:
                 and self.parallel_config().world_size > 1:
             raise ValueError("`kv_transfer_config` runs on one rank per instance so far: use "
                              "it without tensor, pipeline, data or context parallelism")
+        from muse.disagg.encoder_connector import ECTransferConfig
+
+        ec = ECTransferConfig.parse(self.ec_transfer_config)
+        if ec is not None and ec.encodes_only and self.parallel_config().world_size > 1:
+            raise ValueError("an encoder instance (`ec_role`: ec_producer) runs on one rank")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

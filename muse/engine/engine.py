@@ -18,6 +18,7 @@ import torch
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.connector import KVConnector, load_connector
+from muse.disagg.encoder_connector import ECTransferConfig, connected_encoders
 from muse.disagg.engine_kv import EngineKV, enter_blocks
 from muse.disagg.kv_import import check_kv_transfer_params
 from muse.disagg.transport import KVTransferError
@@ -38,7 +39,7 @@ from muse.engine.worker import ModelWorker
 from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
-from muse.multimodal.encoder_cache import EncoderCache
+from muse.multimodal.encoder_cache import EncoderCache, encode_with_cache
 from muse.multimodal.encoder_workers import (EncoderRecipe, EncoderWorkerPool, check_encoders,
                                              close_encoders)
 from muse.multimodal.engine_inputs import (Encoders, build_media_encoders, has_encoders,
@@ -219,6 +220,12 @@ class EngineCore:
         self.lora = self._lora_manager()
         self.tokenizer = load_tokenizer(args)
         self.encoders = self._media_encoders()
+        # What the workers encode with: behind an EC connector with `ec_transfer_config`.
+        self.ec_config = ECTransferConfig.parse(args.ec_transfer_config)
+        if self.ec_config is not None and self.encoders is None:
+            raise ValueError("`ec_transfer_config` needs a model with media encoders")
+        self.worker_encoders = connected_encoders(self.encoders, self.ec_config, args.model,
+                                                  args.seed, self.dtype, self.device)
         # Made at start-up, so that a bad processor_config.json fails the engine, not a request.
         self._processor = self._media_processor() if self.encoders is not None else None
         self.eos_token_ids = tuple(self.config.eos_token_ids)
@@ -260,7 +267,7 @@ class EngineCore:
         self.encoder_cache = EncoderCache(args.encoder_cache_bytes) \
             if self.encoders is not None else None
         worker = ModelWorker(self.model, kv_caches, self.device, args.block_size,
-                             self._graphs(kv_caches), self.encoders, self.encoder_cache,
+                             self._graphs(kv_caches), self.worker_encoders, self.encoder_cache,
                              HostKVStore(self.model.layer_types, kv_caches, self.host_blocks,
                                          self.disk_root, shard_name(0, 0))
                              if self.host_blocks else None)
@@ -347,6 +354,9 @@ class EngineCore:
         # scheduled yet (group id -> (the pull, its structured-output spec, compiled grammar)).
         self.kv_waiting: dict[str, tuple[Future, Any, Any]] = {}
         self.grammar_jobs: GrammarJobs | None = None  # made with the first constrained request
+        # An encoder instance's requests, answered at the next step once their media are
+        # encoded (group id -> samples): they never reach the scheduler.
+        self.encode_waiting: dict[str, list[Request]] = {}
 
     def _kv_connector(self) -> KVConnector | None:
         """The KV connector `kv_transfer_config` names (`muse/disagg/connector.py`), if any."""
@@ -569,7 +579,9 @@ class EngineCore:
                     self.kv_connector is not None
                     and self.kv_connector.delay_free(kv_transfer_params))))
         self.requests[request_id] = samples
-        if pull is not None:  # queued once its prompt's blocks are here (`_take_pulled_kv`)
+        if self.ec_config is not None and self.ec_config.encodes_only:
+            self.encode_waiting[request_id] = samples
+        elif pull is not None:  # queued once its prompt's blocks are here (`_take_pulled_kv`)
             self.kv_waiting[request_id] = (pull, spec, compiled)
         else:
             self._admit(request_id, samples, spec, compiled)
@@ -683,6 +695,7 @@ class EngineCore:
         if job is not None and job not in self.grammar_waiting.values():
             self.grammar_jobs.cancel(job)
         self.kv_waiting.pop(request_id, None)  # its pull ends on its own, unread
+        self.encode_waiting.pop(request_id, None)
         for request in self.requests.pop(request_id, []):
             self.pending_siblings.pop(request.request_id, None)
             if not request.is_finished:
@@ -769,7 +782,7 @@ class EngineCore:
         back, so the host's bookkeeping runs while the device computes, and the requests
         returned are those of the previous step. Requests whose grammar failed to compile
         are returned finished, with `error` set."""
-        failed = self._collect_grammars()
+        failed = self._collect_grammars() + self._encode_only()
         self.serve_kv_pulls()
         self._take_pulled_kv()
         previous, self.in_flight = self.in_flight, None
@@ -884,7 +897,7 @@ class EngineCore:
         """The first half of a step run together with other data-parallel ranks: this rank's
         requests whose grammar failed, and its scheduled batch (None when it has nothing to
         run). `finish_step` takes the logits."""
-        failed = self._collect_grammars()
+        failed = self._collect_grammars() + self._encode_only()
         self.serve_kv_pulls()
         self._take_pulled_kv()
         scheduled = self.scheduler.schedule().scheduled
@@ -968,6 +981,30 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.observe(committed)
         return changed
+
+    def _encode_only(self) -> list[Request]:
+        """An encoder instance's step: waiting requests' media encoded in one pass of at
+        most the encoder budget's tokens (at least one request), saved by the EC connector;
+        then those requests finish without tokens."""
+        budget = self.args.resolve_max_num_encoder_input_tokens()
+        taken: list[str] = []
+        items: list = []
+        for group_id, samples in self.encode_waiting.items():
+            tokens = sum(item.num_tokens for item in samples[0].media)
+            if taken and sum(item.num_tokens for item in items) + tokens > budget:
+                break
+            taken.append(group_id)
+            items += samples[0].media
+        if items:
+            encode_with_cache(self.executor.worker.encoder_cache, items,
+                              self.worker_encoders.encode)
+        done = []
+        for group_id in taken:
+            for sample in self.encode_waiting.pop(group_id):
+                self.scheduler.finish(sample, RequestStatus.FINISHED, "length")
+                done.append(sample)
+            self._forget_if_done(group_id)
+        return done
 
     def finish_request(self, request: Request, reason: str,
                        num_output_tokens: int | None = None) -> None:

@@ -62,8 +62,12 @@ def run_worker(rank: int, args: EngineArgs, init_method: str,
                                      disk_tier_root(args, kv_dtype)
                                      if args.kv_offload_disk is not None else None,
                                      shard_name(me.pp, me.tp))
+        from muse.disagg.encoder_connector import ECTransferConfig, connected_encoders
+
         worker = ModelWorker(model.eval(), kv_caches, device, args.block_size,
-                             encoders=encoders,
+                             encoders=connected_encoders(
+                                 encoders, ECTransferConfig.parse(args.ec_transfer_config),
+                                 args.model, args.seed, dtype, device),
                              encoder_cache=EncoderCache(args.encoder_cache_bytes)
                              if encoders is not None else None, host_store=host_store)
         if args.calculate_kv_scales:

@@ -2,6 +2,14 @@
 instance (`--kv-transfer-config '{"kv_role": "kv_producer"}'`), then decoded by a decode
 instance (`kv_consumer`) that pulls the prompt's KV blocks from it, and the decode
 instance's answer (a stream or a whole reply) goes back to the client as it comes.
+Without prefill instances, requests go whole to the decode instances (plain instances).
+
+With encoder instances (`--encode`; `--ec-transfer-config '{"ec_role": "ec_producer", ...}'`)
+a chat request with media parts goes to one of them first (E/P/D): it encodes the media
+into the EC connector's storage and answers without tokens, and the prefill (or decode)
+instance, an `ec_consumer`, reads the encoder outputs from there instead of encoding. An
+encoder instance that cannot be reached or fails is skipped; with none left the request
+goes on and the next instance encodes its media itself.
 
 - The prefill request is the client's with one output token, no stream, one sample and
   `kv_transfer_params: {"do_remote_decode": true}`; its reply's `kv_transfer_params` say
@@ -30,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from muse.router.launch import ROUTING  # noqa: E402  (one list of the policies)
 LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
 METRICS_TTL_S = 1.0
 
 
@@ -75,21 +84,37 @@ def error(status: int, message: str) -> JSONResponse:
                                    "param": None, "code": status}}, status_code=status)
 
 
+def one_token_body(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The client's request as a one-token, unstreamed, single-sample one."""
+    short = {key: value for key, value in body.items()
+             if key not in ("stream", "stream_options", "max_completion_tokens",
+                            "kv_transfer_params")}
+    short.update(max_tokens=1, stream=False, n=1, **fields)
+    return short
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    prefill = {key: value for key, value in body.items()
-               if key not in ("stream", "stream_options", "max_completion_tokens")}
-    prefill.update(max_tokens=1, stream=False, n=1,
-                   kv_transfer_params={"do_remote_decode": True})
-    return prefill
+    return one_token_body(body, kv_transfer_params={"do_remote_decode": True})
+
+
+def has_media(body: dict[str, Any]) -> bool:
+    """Whether a chat request has image, video or audio parts."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") in MEDIA_PARTS
+        for message in messages if isinstance(message, dict)
+        and isinstance(message.get("content"), list) for part in message["content"])
 
 
 def build_router(prefill: list[str], decode: list[str], routing: str = "round_robin",
-                 timeout_s: float = 600.0, api_key: str | None = None) -> FastAPI:
+                 timeout_s: float = 600.0, api_key: str | None = None,
+                 encode: list[str] | None = None) -> FastAPI:
     if routing not in ROUTING:
         raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-    if not prefill or not decode:
-        raise ValueError("the router needs at least one prefill and one decode instance")
+    if not decode:
+        raise ValueError("the router needs at least one decode instance")
     prefill_pool, decode_pool = Pool(prefill, routing), Pool(decode, routing)
+    encode_pool = Pool(list(encode or []), routing)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
     @contextlib.asynccontextmanager
@@ -99,6 +124,23 @@ def build_router(prefill: list[str], decode: list[str], routing: str = "round_ro
 
     app = FastAPI(title="muse router", lifespan=lifespan)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def run_encode(body: dict[str, Any]) -> Response | None:
+        """Have an encoder instance encode the request's media; a 4xx reply to give the
+        client (bad media), or None to go on (encoded, or no encoder instance could)."""
+        for url in await encode_pool.order(client):
+            try:
+                reply = await client.post(f"{url}/v1/chat/completions",
+                                          json=one_token_body(body), headers=headers)
+            except httpx.HTTPError:
+                continue
+            if reply.status_code >= 500:
+                continue
+            if reply.status_code >= 400:
+                return Response(reply.content, reply.status_code,
+                                media_type="application/json")
+            return None
+        return None
 
     async def run_prefill(path: str, body: dict[str, Any]) -> dict[str, Any] | Response:
         """The prefill reply's `kv_transfer_params`, or the response to give the client."""
@@ -141,6 +183,12 @@ def build_router(prefill: list[str], decode: list[str], routing: str = "round_ro
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
         try:
+            if encode_pool.urls and path == "/v1/chat/completions" and has_media(body):
+                refused = await run_encode(body)
+                if refused is not None:
+                    return refused
+            if not prefill_pool.urls:
+                return await run_decode(path, body)
             transfer = await run_prefill(path, body)
             if isinstance(transfer, Response):
                 return transfer
@@ -174,7 +222,7 @@ def build_router(prefill: list[str], decode: list[str], routing: str = "round_ro
             except httpx.HTTPError:
                 return False
         ups = await asyncio.gather(*(up(url) for url in prefill + decode))
-        fine = any(ups[:len(prefill)]) and any(ups[len(prefill):])
+        fine = (not prefill or any(ups[:len(prefill)])) and any(ups[len(prefill):])
         return Response(status_code=200 if fine else 503)
 
     return app

@@ -12,11 +12,15 @@ ROUTING = ("round_robin", "least_loaded")
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--prefill", nargs="+", required=True, metavar="URL",
+    add("--prefill", nargs="*", default=[], metavar="URL",
         help="prefill instances (`muse serve --kv-transfer-config "
-             "'{\"kv_role\": \"kv_producer\"}'`), e.g. http://127.0.0.1:8100")
+             "'{\"kv_role\": \"kv_producer\"}'`), e.g. http://127.0.0.1:8100 (default: none: "
+             "requests go whole to the --decode instances)")
     add("--decode", nargs="+", required=True, metavar="URL",
         help="decode instances (`--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'`)")
+    add("--encode", nargs="*", default=[], metavar="URL",
+        help="encoder instances (`--ec-transfer-config '{\"ec_role\": \"ec_producer\", "
+             "...}'`): chat requests with media go there first (default: none)")
     add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     add("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     add("--routing", choices=ROUTING, default="round_robin",
@@ -32,5 +36,6 @@ def run_router(args: argparse.Namespace) -> None:
 
     app = build_router([url.rstrip("/") for url in args.prefill],
                        [url.rstrip("/") for url in args.decode], args.routing,
-                       args.request_timeout, os.environ.get("MUSE_API_KEY"))
+                       args.request_timeout, os.environ.get("MUSE_API_KEY"),
+                       [url.rstrip("/") for url in args.encode])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

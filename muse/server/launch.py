@@ -68,7 +68,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="GiB of host memory per GPU (rank) below the GPU KV cache: cached prefixes "
              "evicted from the GPU load back from it instead of being recomputed (default: "
              "%(default)s: none)")
-    add("--kv-offload-write-policy", "--hicache-write-policy", default="write_back",
+    add("--kv-offload-write-policy", "--hicache-write-policy", default="write_through",
         choices=["write_through", "write_back"],
         help="when full blocks reach host memory: as soon as they are computed, or when the "
              "GPU evicts them (default: %(default)s)")
@@ -185,6 +185,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
              "(a prefill instance; \"kv_ip\", \"kv_port\": where decode instances pull KV "
              "blocks, default 127.0.0.1:14579) or {\"kv_role\": \"kv_consumer\"} (a decode "
              "instance); `muse router` sends requests to both (default: none)")
+    add("--ec-transfer-config", default=None,
+        help="encoder disaggregation, vLLM's JSON: {\"ec_role\": \"ec_producer\", "
+             "\"ec_connector\": \"ECSharedStorageConnector\", \"ec_connector_extra_config\": "
+             "{\"shared_storage_path\": DIR}} makes an encoder instance (it encodes requests' "
+             "media into DIR and answers without tokens); \"ec_consumer\" reads them from "
+             "there before encoding; `muse router --encode` sends media requests to encoder "
+             "instances first (default: none)")
     add("--speculative-config", default=None,
         help="speculative decoding as JSON, vLLM's names, e.g. '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 5}' (default: off)")
@@ -264,6 +271,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=args.distributed_executor_backend,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,
         speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
+        ec_transfer_config=args.ec_transfer_config,
         enable_lora=args.enable_lora, lora_modules=list(args.lora_modules),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
