@@ -15,10 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# The test extras on top (pytest, transformers, the openai client, triton, ...), and Ray,
-# whose executor backend has its tests too.
+# The test extras on top (pytest, transformers, the openai client, triton, ...), and Ray and
+# NIXL, whose executor backend and KV connector have their tests too.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PYTHON) -m pip install -q -e '.[test,ray]'
+	$(PYTHON) -m pip install -q -e '.[test,ray,nixl]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -3,7 +3,8 @@
 
 With the `MuseConnector` a producer (prefill instance) listens on `kv_ip:kv_port` for decode
 instances pulling KV blocks; a consumer (decode instance) pulls from the producer a
-request's `kv_transfer_params` name. The `SharedStorageConnector` reads and writes
+request's `kv_transfer_params` name. The `NixlConnector` does the same with the blocks'
+bytes moved by NIXL agents (the `nixl` package; `muse/disagg/nixl_plane.py`). The `SharedStorageConnector` reads and writes
 `kv_connector_extra_config.shared_storage_path`; `kv_connector_module_path` names the module
 of a connector class of your own (`muse/disagg/connector.py`). vLLM's other fields are
 accepted and have no effect here.
@@ -17,7 +18,7 @@ from typing import Any
 from muse.json_options import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("MuseConnector", "SharedStorageConnector")
+CONNECTORS = ("MuseConnector", "NixlConnector", "SharedStorageConnector")
 # vLLM's fields that describe its own connectors' buffers and ranks.
 IGNORED_FIELDS = ("kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_buffer_size",
                   "engine_id", "kv_load_failure_policy")
@@ -62,9 +63,12 @@ class KVTransferConfig:
     def validate(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"`kv_role` must be one of {list(KV_ROLES)}, got {self.kv_role!r}")
-        if self.kv_connector == "NixlConnector":
-            raise ValueError("the NixlConnector needs the `nixl` package, which is not "
-                             "supported yet: use 'MuseConnector' (torch.distributed)")
+        if self.kv_connector == "NixlConnector" and self.kv_connector_module_path is None:
+            from muse.disagg.nixl_plane import nixl_available
+
+            if not nixl_available():
+                raise ValueError("the NixlConnector needs the `nixl` package (pip install "
+                                 "nixl), or use 'MuseConnector' (torch.distributed)")
         if self.kv_connector_extra_config is not None \
                 and not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("`kv_connector_extra_config` must be an object")

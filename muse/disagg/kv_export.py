@@ -14,18 +14,19 @@ import time
 
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.engine_kv import EngineKV, PulledBlocks, read_blocks
-from muse.disagg.transport import PairListener
+from muse.disagg.transport import BytesPlane, PairListener
 from muse.engine.prefix_keys import BlockKey
 
 
 class KVExporter:
-    def __init__(self, kv: EngineKV, config: KVTransferConfig) -> None:
+    def __init__(self, kv: EngineKV, config: KVTransferConfig,
+                 plane: BytesPlane | None = None) -> None:
         self.kv = kv
         self.timeout_s = config.kv_transfer_timeout_s
         kv.kv_cache.hold_timeout_s = config.kv_transfer_timeout_s
         self.jobs: queue.Queue = queue.Queue()
         self.listener = PairListener(config.kv_ip, config.kv_port, list(kv.kv_cache.groups),
-                                     kv.block_bytes, self._pull, self.timeout_s)
+                                     kv.block_bytes, self._pull, self.timeout_s, plane)
 
     def _pull(self, request_id: str, keys: list[BlockKey]) -> PulledBlocks:
         """On a transport thread: the engine's thread answers at its next `serve`."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.engine_kv import EngineKV
-from muse.disagg.transport import PairClient
+from muse.disagg.transport import BytesPlane, PairClient
 from muse.engine.errors import InvalidRequestError
 from muse.engine.prefix_keys import prompt_block_keys
 
@@ -34,10 +34,11 @@ def check_kv_transfer_params(params: Any) -> None:
 
 
 class KVImporter:
-    def __init__(self, kv: EngineKV, config: KVTransferConfig) -> None:
+    def __init__(self, kv: EngineKV, config: KVTransferConfig,
+                 plane: BytesPlane | None = None) -> None:
         self.kv = kv
         self.client = PairClient(list(kv.kv_cache.groups), kv.block_bytes,
-                                 config.kv_transfer_timeout_s)
+                                 config.kv_transfer_timeout_s, plane)
         # One transport thread: pulls go out one at a time, in arrival order.
         self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muse-kv-pull")
 

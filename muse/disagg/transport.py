@@ -13,9 +13,13 @@ the group lives. A pull:
                 layout), how many blocks of each kind follow
              -> uint8 [kinds * keys]: which keys each kind has
              -> per kind with blocks: uint8 [count, block bytes], the blocks as they are in
-                memory ([layers, 2, block_size, kv_heads, head_dim] of the KV dtype)
+                memory ([layers, 2, block_size, kv_heads, head_dim] of the KV dtype), through
+                the pair's data plane
 
-Gloo moves bytes between host buffers, on a CPU or a GPU machine alike.
+The data plane (`BytesPlane`) moves the blocks: `GlooPlane` sends them on the group (host
+buffers, on a CPU or a GPU machine alike); `muse.disagg.nixl_plane.NixlPlane` registers
+them with a NIXL agent and the consumer reads them one-sided (UCX), the group carrying only
+the descriptors and the consumer's acknowledgement.
 """
 
 from __future__ import annotations
@@ -36,6 +40,27 @@ HEADER = 6
 KEY_BYTES = 32
 STATUS_OK, STATUS_MISMATCH = 0, 1
 PullHandler = Callable[[str, list[BlockKey]], PulledBlocks]
+
+
+class BytesPlane:
+    """How a pair moves block bytes; the group carries everything else."""
+
+    def handshake(self, group: dist.ProcessGroup, peer: int) -> object:
+        """Called once per pair on both sides after the group forms; returns the peer's
+        handle for `send` / `receive`."""
+        return peer
+
+    def send(self, group: dist.ProcessGroup, peer: object, tensors: list[torch.Tensor]
+             ) -> None:
+        for tensor in tensors:
+            _send(group, tensor, peer)
+
+    def receive(self, group: dist.ProcessGroup, peer: object,
+                shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        return [_recv(group, torch.zeros(shape, dtype=torch.uint8), peer) for shape in shapes]
+
+
+GlooPlane = BytesPlane  # the bytes on the gloo group itself
 
 
 class KVTransferError(RuntimeError):
@@ -60,7 +85,9 @@ class PairListener:
     """The producer's side: accepts consumers and answers their pulls with `handler`."""
 
     def __init__(self, host: str, port: int, kinds: list[str], block_bytes: dict[str, int],
-                 handler: PullHandler, timeout_s: float) -> None:
+                 handler: PullHandler, timeout_s: float, plane: BytesPlane | None = None
+                 ) -> None:
+        self.plane = plane or GlooPlane()
         self.kinds = sorted(kinds)
         self.block_bytes = block_bytes
         self.handler = handler
@@ -81,12 +108,13 @@ class PairListener:
     def _serve(self, pair: int) -> None:
         try:
             group = _group(self.store, pair, 0, self.timeout_s)
+            peer = self.plane.handshake(group, 1)
             while not self.stopped.is_set():
-                self._answer(group)
+                self._answer(group, peer)
         except RuntimeError as error:  # the consumer left: its group is done
             logger.info("KV pair %d closed: %s", pair, error)
 
-    def _answer(self, group: dist.ProcessGroup) -> None:
+    def _answer(self, group: dist.ProcessGroup, peer: object) -> None:
         header = _recv(group, torch.zeros(HEADER, dtype=torch.int64), 1).tolist()
         num_keys, id_bytes = header[0], header[1]
         keys = _recv(group, torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8), 1) \
@@ -105,9 +133,8 @@ class PairListener:
         present = [flag for kind in self.kinds for flag in blocks[kind][0]]
         if present:
             _send(group, torch.tensor(present, dtype=torch.uint8), 1)
-        for kind, count in zip(self.kinds, counts):
-            if count:
-                _send(group, blocks[kind][1], 1)
+        self.plane.send(group, peer, [blocks[kind][1] for kind, count
+                                      in zip(self.kinds, counts) if count])
 
     def close(self) -> None:
         self.stopped.set()
@@ -116,27 +143,30 @@ class PairListener:
 class PairClient:
     """The consumer's side: one group per producer address, made on first use."""
 
-    def __init__(self, kinds: list[str], block_bytes: dict[str, int], timeout_s: float
-                 ) -> None:
+    def __init__(self, kinds: list[str], block_bytes: dict[str, int], timeout_s: float,
+                 plane: BytesPlane | None = None) -> None:
+        self.plane = plane or GlooPlane()
         self.kinds = sorted(kinds)
         self.block_bytes = block_bytes
         self.timeout_s = timeout_s
-        self.groups: dict[tuple[str, int], tuple[dist.Store, dist.ProcessGroup]] = {}
+        # (host, port) -> (store, group, the peer's handle in the data plane)
+        self.groups: dict[tuple[str, int], tuple[dist.Store, dist.ProcessGroup, object]] = {}
 
-    def _connect(self, host: str, port: int) -> dist.ProcessGroup:
+    def _connect(self, host: str, port: int) -> tuple[dist.ProcessGroup, object]:
         if (host, port) not in self.groups:
             store = dist.TCPStore(host, port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.timeout_s))
             pair = store.add("pairs", 1)
-            self.groups[(host, port)] = (store, _group(store, pair, 1, self.timeout_s))
-        return self.groups[(host, port)][1]
+            group = _group(store, pair, 1, self.timeout_s)
+            self.groups[(host, port)] = (store, group, self.plane.handshake(group, 0))
+        return self.groups[(host, port)][1:]
 
     def pull(self, host: str, port: int, request_id: str, keys: list[BlockKey]
              ) -> PulledBlocks:
         """The blocks the producer at host:port holds for `keys` (its request
         `request_id`'s prompt, whose hold the pull releases)."""
         try:
-            group = self._connect(host, port)
+            group, peer = self._connect(host, port)
             encoded = request_id.encode()
             sizes = [self.block_bytes[kind] for kind in self.kinds]
             _send(group, torch.tensor([len(keys), len(encoded), *sizes,
@@ -151,13 +181,14 @@ class PairClient:
                                       "another size (another model, dtype or block size)")
             present = _recv(group, torch.zeros(len(self.kinds) * len(keys),
                                                dtype=torch.uint8), 0).tolist() if keys else []
+            received = iter(self.plane.receive(group, peer, [
+                (count, self.block_bytes[kind]) for kind, count in zip(self.kinds, counts)
+                if count]))
             pulled: PulledBlocks = {}
             for index, (kind, count) in enumerate(zip(self.kinds, counts)):
                 flags = [bool(f) for f in present[index * len(keys):(index + 1) * len(keys)]]
-                data = _recv(group, torch.zeros((count, self.block_bytes[kind]),
-                                                dtype=torch.uint8), 0) if count else \
-                    torch.zeros((0, self.block_bytes[kind]), dtype=torch.uint8)
-                pulled[kind] = (flags, data)
+                pulled[kind] = (flags, next(received) if count else
+                                torch.zeros((0, self.block_bytes[kind]), dtype=torch.uint8))
             return pulled
         except (RuntimeError, ValueError) as error:
             self.groups.pop((host, port), None)  # a broken group is not reused

@@ -117,7 +117,6 @@ def test_a_failed_pull_computes_the_prompt_on_the_decode_instance():
     ('{"kv_role": "kv_both"', "not valid JSON"),
     ({"kv_role": "sender"}, "kv_role"),
     ({}, "needs `kv_role`"),
-    ({"kv_role": "kv_producer", "kv_connector": "NixlConnector"}, "nixl"),
     ({"kv_role": "kv_producer", "kv_port": 0}, "kv_port"),
     ({"kv_role": "kv_producer", "color": "red"}, "unknown fields"),
 ])
@@ -126,6 +125,16 @@ def test_bad_kv_transfer_configs_are_refused(value, message):
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(kv_transfer_config=value).validate()
+
+
+def test_the_nixl_connector_without_nixl_is_a_clear_error(monkeypatch):
+    from muse.disagg import nixl_plane
+    from muse.engine.args import EngineArgs
+
+    monkeypatch.setattr(nixl_plane, "nixl_available", lambda: False)
+    with pytest.raises(ValueError, match="pip install nixl"):
+        EngineArgs(kv_transfer_config={"kv_role": "kv_producer",
+                                       "kv_connector": "NixlConnector"}).validate()
 
 
 def test_vllm_fields_are_accepted():
