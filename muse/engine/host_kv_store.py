@@ -61,6 +61,10 @@ class HostKVStore:
             self.group_starts.setdefault(position * load_groups // len(layer_types), position)
         self.blocks = {kind: [KVBlocks(kv_caches, layers) for _, layers in parts]
                        for kind, parts in self.parts.items()}
+        # Saves read every group of a kind in one launch.
+        self.all_blocks = {kind: KVBlocks(kv_caches, [p for _, layers in parts for p in layers],
+                                          groups=[len(layers) for _, layers in parts])
+                           for kind, parts in self.parts.items() if parts}
         cache = kv_caches[0][0]
         self.device = cache.device
         on_gpu = cache.is_cuda
@@ -124,7 +128,9 @@ class HostKVStore:
         order = sorted(range(len(slots)), key=slots.__getitem__)
         ordered = [blocks[i] for i in order]
         runs = _runs([slots[i] for i in order])
-        gathered = [part_blocks.gather(ordered) for part_blocks in self.blocks[kind]]
+        if kind not in self.all_blocks:
+            return  # this rank keeps no layer of the kind
+        gathered = self.all_blocks[kind].gather_groups(ordered)
         stream = self.save_stream
         if stream is not None:  # after the gathers, and after loads that read the slots
             stream.wait_stream(torch.cuda.current_stream(self.device))

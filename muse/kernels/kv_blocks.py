@@ -50,11 +50,17 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class KVBlocks:
     """The blocks of the layers `layers` of `kv_caches`: one launch a direction on a GPU
-    (or with `use_triton`), the twins elsewhere."""
+    (or with `use_triton`), the twins elsewhere.
+
+    `groups` (sizes of consecutive runs of `layers`, summing to its length) lets
+    `gather_groups` read every group's rows in that one launch, each group's contiguous."""
 
     def __init__(self, kv_caches: KVCaches, layers: list[int],
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, groups: list[int] | None = None) -> None:
         self.kv_caches, self.layers = kv_caches, layers
+        self.groups = groups or [len(layers)]
+        if sum(self.groups) != len(layers) or min(self.groups, default=1) < 1:
+            raise ValueError(f"groups {groups} must split the {len(layers)} layers")
         # The kind's first layer: other kinds' caches may hold another number of blocks.
         cache = kv_caches[layers[0] if layers else 0][0]
         self.device = cache.device
@@ -72,6 +78,12 @@ class KVBlocks:
             # The caches' addresses, read by the kernels (the caches live as long as this).
             self.table = torch.tensor([t.data_ptr() for t in pairs], dtype=torch.int64,
                                       device=self.device)
+            # Each pair's group: its first pair and its number of pairs.
+            starts = [2 * sum(self.groups[:g]) for g, size in enumerate(self.groups)
+                      for _ in range(2 * size)]
+            sizes = [2 * size for size in self.groups for _ in range(2 * size)]
+            self.group_table = (torch.tensor(starts, dtype=torch.int64, device=self.device),
+                                torch.tensor(sizes, dtype=torch.int64, device=self.device))
 
     def gather(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), layers, 2, block_size, kv_heads, head_dim] on the caches' device."""
@@ -83,6 +95,27 @@ class KVBlocks:
         copy_blocks(self.table, to_device(blocks, self.device), rows.view(torch.int32),
                     self.words, to_rows=True)
         return rows
+
+    def gather_groups(self, blocks: list[int]) -> list[torch.Tensor]:
+        """Each group's [len(blocks), its layers, 2, block_size, kv_heads, head_dim] on the
+        caches' device: views of one buffer on a GPU, filled in one launch."""
+        if not (self.use_triton and self.layers and blocks):
+            firsts = [sum(self.groups[:g]) for g in range(len(self.groups))]
+            return [gather_blocks(self.kv_caches, self.layers[first:first + size], blocks)
+                    for first, size in zip(firsts, self.groups)]
+        from muse.kernels.kv_blocks_triton import copy_blocks
+
+        rows = torch.empty((len(blocks), *self.row_shape), dtype=self.dtype, device=self.device)
+        copy_blocks(self.table, to_device(blocks, self.device), rows.view(torch.int32),
+                    self.words, to_rows=True, groups=self.group_table)
+        parts, offset = [], 0
+        flat = rows.view(-1)
+        per_layer = rows[0, 0].numel()
+        for size in self.groups:
+            count = len(blocks) * size * per_layer
+            parts.append(flat[offset:offset + count].view(len(blocks), size, *self.row_shape[1:]))
+            offset += count
+        return parts
 
     def put(self, blocks: list[int], rows: torch.Tensor) -> None:
         """Write rows [len(blocks), layers, 2, ...] (on the caches' device) into `blocks`."""

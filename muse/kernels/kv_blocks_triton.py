@@ -10,8 +10,9 @@ from muse.kernels.kv_blocks import TILE
 
 
 @triton.jit
-def _copy_blocks_kernel(table_ptr, index_ptr, rows_ptr, WORDS: tl.constexpr,
-                        PAIRS: tl.constexpr, TILE: tl.constexpr, TO_ROWS: tl.constexpr):
+def _copy_blocks_kernel(table_ptr, index_ptr, rows_ptr, starts_ptr, sizes_ptr,
+                        WORDS: tl.constexpr, PAIRS: tl.constexpr, TILE: tl.constexpr,
+                        TO_ROWS: tl.constexpr, GROUPED: tl.constexpr):
     i = tl.program_id(0)
     pair = tl.program_id(1)  # layer * 2 + (0: K, 1: V)
     offsets = tl.program_id(2) * TILE + tl.arange(0, TILE)
@@ -19,7 +20,13 @@ def _copy_blocks_kernel(table_ptr, index_ptr, rows_ptr, WORDS: tl.constexpr,
     block = tl.load(index_ptr + i).to(tl.int64)
     cache = tl.load(table_ptr + pair).to(tl.pointer_type(rows_ptr.dtype.element_ty))
     cache_words = cache + block * WORDS + offsets
-    row_words = rows_ptr + (i.to(tl.int64) * PAIRS + pair) * WORDS + offsets
+    if GROUPED:  # the pair's group's rows [blocks, its pairs] follow the earlier groups'
+        start = tl.load(starts_ptr + pair).to(tl.int64)
+        size = tl.load(sizes_ptr + pair).to(tl.int64)
+        row = start * tl.num_programs(0) + i.to(tl.int64) * size + (pair - start)
+    else:
+        row = i.to(tl.int64) * PAIRS + pair
+    row_words = rows_ptr + row * WORDS + offsets
     if TO_ROWS:
         tl.store(row_words, tl.load(cache_words, mask=mask), mask=mask)
     else:
@@ -27,11 +34,17 @@ def _copy_blocks_kernel(table_ptr, index_ptr, rows_ptr, WORDS: tl.constexpr,
 
 
 def copy_blocks(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, words: int,
-                to_rows: bool) -> None:
+                to_rows: bool, groups: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> None:
     """Between the caches whose addresses `table` holds (K and V of each layer in turn) and
     `rows` (int32 words, [len(index), len(table), words]): cache block index[i] of the pair
-    p is row word range [i, p]. `to_rows`: caches -> rows; else rows -> caches."""
+    p is row word range [i, p]. `to_rows`: caches -> rows; else rows -> caches.
+
+    groups: (first pair of p's group, pairs in p's group) for each pair p: the rows are then
+    each group's [len(index), its pairs, words] one after the other."""
     pairs = table.numel()
     grid = (index.numel(), pairs, triton.cdiv(words, TILE))
-    _copy_blocks_kernel[grid](table, index, rows, WORDS=words, PAIRS=pairs, TILE=TILE,
-                              TO_ROWS=to_rows, num_warps=4)
+    starts, sizes = groups if groups is not None else (table, table)  # unread without groups
+    _copy_blocks_kernel[grid](table, index, rows, starts, sizes, WORDS=words, PAIRS=pairs,
+                              TILE=TILE, TO_ROWS=to_rows, GROUPED=groups is not None,
+                              num_warps=4)

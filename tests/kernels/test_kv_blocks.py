@@ -51,6 +51,22 @@ def test_a_kind_whose_caches_hold_another_number_of_blocks_than_the_first_layer(
     assert torch.equal(blocks.gather([11, 2]), gather_blocks(kv, [1, 3], [11, 2]))
 
 
+@pytest.mark.parametrize("groups", [[2, 1], [1, 1, 1], [3]])
+def test_gather_groups_in_one_launch_matches_the_twins(groups):
+    kv = caches(torch.bfloat16, 2, 32)
+    layers = [4, 0, 2]
+    fused = KVBlocks(kv, layers, use_triton=True, groups=groups)
+    twin = KVBlocks(kv, layers, use_triton=False, groups=groups)
+    wanted = [5, 1, 9, 1]
+    got, expected = fused.gather_groups(wanted), twin.gather_groups(wanted)
+    assert [t.shape for t in got] == [(4, size, 2, 4, 2, 32) for size in groups]
+    for mine, theirs in zip(got, expected):
+        assert mine.is_contiguous()
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    with pytest.raises(ValueError, match="must split"):
+        KVBlocks(kv, layers, groups=[2, 2])
+
+
 def test_no_blocks_and_bad_caches():
     kv = caches(torch.float32, 1, 16)
     blocks = KVBlocks(kv, [0, 1], use_triton=True)
