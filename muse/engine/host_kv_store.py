@@ -8,9 +8,9 @@ are pinned, so the copy engines move blocks straight between them and the device
 host-side copy, on two streams of their own (one per direction, so saves and loads move at
 once):
 
-- saves: the blocks' rows are gathered into device buffers on the compute stream, in one
-  launch per group over its layers (`muse.kernels.kv_blocks`), so the forward pass may
-  then overwrite the blocks (write-back reuses them); the save stream moves the buffers
+- saves: the blocks' rows are gathered into device buffers (one per group) on the compute
+  stream, in one launch over all layers (`muse.kernels.kv_blocks`), so the forward pass
+  may then overwrite the blocks (write-back reuses them); the save stream moves the buffers
   into the slots, one copy per group and run of consecutive slots, while the forward pass
   runs: saves never hold up a step. The save stream first waits for the loads queued
   before (a slot being reused may still be read);
@@ -125,12 +125,11 @@ class HostKVStore:
             blocks.put(targets, rows)
 
     def _save(self, kind: str, blocks: list[int], slots: list[int]) -> None:
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        ordered = [blocks[i] for i in order]
-        runs = _runs([slots[i] for i in order])
         if kind not in self.all_blocks:
             return  # this rank keeps no layer of the kind
-        gathered = self.all_blocks[kind].gather_groups(ordered)
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        runs = _runs([slots[i] for i in order])
+        gathered = self.all_blocks[kind].gather_groups([blocks[i] for i in order])
         stream = self.save_stream
         if stream is not None:  # after the gathers, and after loads that read the slots
             stream.wait_stream(torch.cuda.current_stream(self.device))
