@@ -781,15 +781,16 @@ class EngineCore:
         With the overlapped schedule the step is launched before the previous one is read
         back, so the host's bookkeeping runs while the device computes, and the requests
         returned are those of the previous step. Requests whose grammar failed to compile
-        are returned finished, with `error` set."""
-        failed = self._collect_grammars() + self._encode_only()
+        are returned finished, with `error` set; an encoder instance's requests, finished
+        once encoded."""
+        ended = self._collect_grammars() + self._encode_only()
         self.serve_kv_pulls()
         self._take_pulled_kv()
         previous, self.in_flight = self.in_flight, None
         if self.speculative is not None:
             self._propose_drafts()
         scheduled = self.scheduler.schedule().scheduled
-        if not scheduled and previous is None and not failed:
+        if not scheduled and previous is None and not ended:
             if self.grammar_waiting:
                 self.grammar_jobs.wait(GRAMMAR_WAIT_S)
                 return []
@@ -809,7 +810,7 @@ class EngineCore:
             else:
                 changed += self._resolve(launched)
         # A request in both steps is reported once.
-        return failed + list(dict.fromkeys(changed))
+        return ended + list(dict.fromkeys(changed))
 
     def _propose_drafts(self) -> None:
         """Drafts for every running request that decodes next: at most
@@ -897,7 +898,7 @@ class EngineCore:
         """The first half of a step run together with other data-parallel ranks: this rank's
         requests whose grammar failed, and its scheduled batch (None when it has nothing to
         run). `finish_step` takes the logits."""
-        failed = self._collect_grammars() + self._encode_only()
+        failed = self._collect_grammars()
         self.serve_kv_pulls()
         self._take_pulled_kv()
         scheduled = self.scheduler.schedule().scheduled
@@ -989,12 +990,14 @@ class EngineCore:
         budget = self.args.resolve_max_num_encoder_input_tokens()
         taken: list[str] = []
         items: list = []
+        tokens = 0
         for group_id, samples in self.encode_waiting.items():
-            tokens = sum(item.num_tokens for item in samples[0].media)
-            if taken and sum(item.num_tokens for item in items) + tokens > budget:
+            more = sum(item.num_tokens for item in samples[0].media)
+            if taken and tokens + more > budget:
                 break
             taken.append(group_id)
             items += samples[0].media
+            tokens += more
         if items:
             encode_with_cache(self.executor.worker.encoder_cache, items,
                               self.worker_encoders.encode)
