@@ -18,7 +18,8 @@ the model does: dense cases cycle through enough copies of the weight to outgrow
 Bytes per call: the weights it reads (for the MoE, the distinct experts its routing picks),
 with their scales and row factors, plus the activations read and the output written; GB/s is
 bytes / time, and speedup is the bf16 time over the FP4 time. `--sweep-tiles` also times
-candidate tiles of the dense kernel (`LinearTiles`) for each case.
+candidate tiles of the dense kernel (`LinearTiles`) for each case, and at one row those of
+the GEMV that one row takes (`GemvTiles`).
 
     python benchmarks/w4a16_gemm.py --out results/w4a16-gemm-muse-spark-15b-a2b.json
     python benchmarks/w4a16_gemm.py --dry-run   # the cases and their bytes, no GPU needed
@@ -59,6 +60,10 @@ MOE_ROUTINGS = 16
 # block_m follows the rows (16 up to 16 rows, the rows' power of two up to 64, then 128).
 SWEEP_DECODE = [(16, 256, 1, 4), (16, 128, 1, 4), (16, 512, 1, 3), (32, 256, 2, 4),
                 (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3)]
+# Candidate (block_n, block_k, num_warps) of the one-row GEMV (`w4a16_gemv`, which one row
+# takes); each with the split-K `choose_gemv_tiles` would give it.
+SWEEP_GEMV = [(32, 256, 4), (16, 256, 2), (64, 256, 4), (32, 512, 4), (64, 128, 4),
+              (128, 128, 8), (16, 512, 1)]
 SWEEP_MEDIUM = [(64, 128, 4, 4), (32, 128, 4, 4), (128, 64, 4, 3), (64, 64, 4, 6)]
 SWEEP_LARGE = [(128, 64, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3)]
 
@@ -201,16 +206,25 @@ def _sweep(rows: int, shape: tuple[int, int]) -> list:
     return tiles
 
 
+def _sweep_gemv(shape: tuple[int, int]) -> list:
+    from muse.kernels.w4a16_triton import GemvTiles, split_for
+
+    out, inp = shape
+    return [GemvTiles(n, k, warps, split_for(math.ceil(out / n), math.ceil(inp / k)))
+            for n, k, warps in SWEEP_GEMV]
+
+
 def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Namespace,
               device: torch.device) -> dict:
-    from muse.kernels.w4a16_triton import choose_tiles, w4a16_linear
+    from muse.kernels.w4a16_triton import choose_gemv_tiles, choose_tiles, w4a16_linear
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
     shape = (case.out_features, case.in_features)
     activations = 2 * rows * (case.in_features + case.out_features)
     x = torch.randn(rows, case.in_features, dtype=DTYPE, device=device, generator=gen)
     record = {"kind": "dense", "name": case.name, "rows": rows, "shape": list(shape),
-              "tiles": vars(choose_tiles(rows, *shape))}
+              "tiles": vars(choose_tiles(rows, *shape) if rows > 1
+                            else choose_gemv_tiles(*shape, 16))}
     dense_bytes = weight_bytes("bf16", *shape)
     weights = [random_dense(shape, device, gen)
                for _ in range(_copies(dense_bytes, args.flush_bytes))]
@@ -229,6 +243,14 @@ def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Nam
                     [lambda w=w, t=tiles: w4a16_linear(x, w, tiles=t) for w in fp4],
                     args.repeats)
                 for tiles in _sweep(rows, shape)}
+            if rows == 1:
+                from muse.kernels.w4a16_triton import w4a16_gemv
+
+                record[fmt]["sweep_gemv_us"] = {
+                    str(list(vars(tiles).values())): _timed(
+                        [lambda w=w, t=tiles: w4a16_gemv(x[0], w, tiles=t) for w in fp4],
+                        args.repeats)
+                    for tiles in _sweep_gemv(shape)}
         del fp4
     return record
 

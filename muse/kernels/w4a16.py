@@ -21,7 +21,9 @@ to the activations' dtype, and multiplied with float32 accumulation. The Triton 
 (`muse.kernels.w4a16_triton`, and the fused experts of `muse.kernels.moe_triton`) read the
 packed bytes and scales, about 4.5 bits a weight instead of 16, and form the same rounded
 weight tile in registers before each `tl.dot`; only the accumulation order differs from the
-twins'.
+twins'. One activation row (batch-1 decode) takes a GEMV without `tl.dot`
+(`w4a16_triton.w4a16_gemv`) that multiplies each block's sum by its scale and each output
+by its row factor, so it also skips the per-weight rounding to the activation dtype.
 
 How the quant methods call them (`muse.quantization`): build the `Fp4Weight`s once, in
 `process_weights_after_loading` (the per-part factors already expanded per row, e.g. with

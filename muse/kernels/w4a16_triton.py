@@ -211,6 +211,127 @@ def _w4a16_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int
+    block_k: int  # a multiple of the scale block
+    num_warps: int
+    split_k: int = 1
+
+
+def choose_gemv_tiles(out_features: int, in_features: int, block: int) -> GemvTiles:
+    """Tiles of the one-row kernel: 32 output rows x 256 inputs a step, four warps, split
+    along K until there are enough programs (`split_for`). A first choice, to be swept on the
+    H200 (`benchmarks/w4a16_gemm.py --sweep-tiles`)."""
+    block_k = max(block, min(256, triton.next_power_of_2(in_features)))
+    block_n = max(16, min(32, triton.next_power_of_2(out_features)))
+    split = split_for(triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))
+    return GemvTiles(block_n, block_k, 4, split)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, packed_ptr, scales_ptr, row_factor_ptr, bias_ptr, y_ptr, N,
+    stride_xk, stride_pn, stride_pk, stride_sn, stride_sk, stride_rn, stride_yn,
+    K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_PROGRAM: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one activation row and BLOCK_N outputs, over
+    this program's K slice, without `tl.dot`: a decode GEMV reads each weight once, so the
+    work per weight is what bounds it. Each nibble becomes a float16 (two integer ops and a
+    bitcast, as in `fp4_weight_tiles`), is widened and multiplied into the float32 products
+    with x; a scale block's products are summed first and the block's sum times its scale
+    is accumulated [BLOCK_N, GROUPS]; the row factor multiplies the final sum. So the scale
+    and the row factor cost one multiply per block and per output, not per weight (the
+    twin rounds each weight to the activation dtype first: the results differ by that
+    rounding, well inside the tests' tolerance)."""
+    GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    HALF: tl.constexpr = SCALE_BLOCK // 2  # packed bytes per scale
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    k_first = pid_k * K_PER_PROGRAM
+    for k_start in range(k_first, k_first + K_PER_PROGRAM, BLOCK_K):
+        groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
+        group_ok = groups < K // SCALE_BLOCK
+        mask = col_ok[:, None] & group_ok[None, :]
+        scale = tl.load(scales_ptr + cols[:, None] * stride_sn + groups[None, :] * stride_sk,
+                        mask=mask, other=0)
+        if SCALE_E8M0:
+            exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
+            folded = (exponent << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
+        else:
+            scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+        byte_cols = groups[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
+        packed = tl.load(packed_ptr + cols[:, None, None] * stride_pn + byte_cols * stride_pk,
+                         mask=mask[:, :, None], other=0).to(tl.uint16)
+        even = (((packed & 0x8) << 12) | ((packed & 0x7) << 9)).to(tl.float16, bitcast=True)
+        odd = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True)
+        # x's even and odd inputs of each scale block, [GROUPS, HALF] each.
+        ks = groups[:, None] * SCALE_BLOCK + 2 * tl.arange(0, HALF)[None, :]
+        x_even = tl.load(x_ptr + ks * stride_xk, mask=group_ok[:, None], other=0.0)
+        x_odd = tl.load(x_ptr + (ks + 1) * stride_xk, mask=group_ok[:, None], other=0.0)
+        products = (even.to(tl.float32) * x_even.to(tl.float32)[None, :, :]
+                    + odd.to(tl.float32) * x_odd.to(tl.float32)[None, :, :])
+        acc += tl.sum(products, axis=2) * scale
+    out = tl.sum(acc, axis=1)
+    if HAS_ROW_FACTOR:
+        out *= tl.load(row_factor_ptr + cols * stride_rn, mask=col_ok, other=1.0).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + cols * stride_yn
+    if PARTIAL:
+        y_ptrs += pid_k * N
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = None,
+               tiles: GemvTiles | None = None) -> torch.Tensor:
+    """y [out] = x [in] @ w.T (+ bias) for one activation row, in x's dtype (see
+    `_w4a16_gemv_kernel`); tiles: None picks them (`choose_gemv_tiles`)."""
+    out_features, in_features = weight.shape
+    if x.dim() != 1 or x.shape[0] != in_features:
+        raise ValueError(f"w4a16_gemv takes one row of {in_features} inputs, got "
+                         f"{list(x.shape)}")
+    tiles = tiles or choose_gemv_tiles(out_features, in_features, weight.block)
+    if tiles.block_k % weight.block:
+        raise ValueError(f"block_k {tiles.block_k} must be a multiple of the scale block "
+                         f"{weight.block}")
+    steps = triton.cdiv(in_features, tiles.block_k)
+    split = tiles.split_k
+    if split < 1 or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
+        raise ValueError(f"split_k {split} must share the {steps} K steps with none idle")
+    y = torch.empty(out_features, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32,
+                                           device=x.device)
+    scales, row_factor = weight.scale_bytes, weight.row_factor
+    has_row_factor = row_factor is not None
+    if row_factor is None:
+        row_factor = scales  # any pointer; never read
+    has_bias = bias is not None and split == 1
+    _w4a16_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
+        x, weight.packed, scales, row_factor, bias if has_bias else y, out, out_features,
+        x.stride(0), weight.packed.stride(0), weight.packed.stride(1), scales.stride(0),
+        scales.stride(1), row_factor.stride(0), out.stride(-1),
+        K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
+        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=has_bias,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_PER_PROGRAM=triton.cdiv(steps, split) * tiles.block_k, PARTIAL=split > 1,
+        num_warps=tiles.num_warps,
+    )
+    if split > 1:
+        total = out.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+    return y
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Float32 activations are the precise configuration: no TF32 in their dots."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -220,7 +341,8 @@ def w4a16_linear(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None =
                  tiles: LinearTiles | None = None) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w.T (+ bias), in x's dtype (see `muse.kernels.w4a16`).
 
-    tiles: None picks them from the shapes (`choose_tiles`); given, they are used (tuning).
+    tiles: None picks them from the shapes (`choose_tiles`), and one row takes the GEMV
+    (`w4a16_gemv`); given, the GEMM runs with them (tuning).
     """
     if weight.packed.dim() != 2:
         raise ValueError(f"w4a16_linear takes a [out, in] weight, got {list(weight.shape)}")
@@ -231,6 +353,8 @@ def w4a16_linear(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None =
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     x2 = x.reshape(-1, in_features)
     num_rows = x2.shape[0]
+    if num_rows == 1 and tiles is None and out_features:  # batch-1 decode: the GEMV
+        return w4a16_gemv(x2[0], weight, bias).view(*x.shape[:-1], out_features)
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return y

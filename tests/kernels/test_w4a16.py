@@ -29,7 +29,8 @@ from muse.kernels.w4a16 import (  # noqa: E402
     w4a16_linear_torch,
     w4a16_linear_triton,
 )
-from muse.kernels.w4a16_triton import LinearTiles, choose_tiles, split_for  # noqa: E402
+from muse.kernels.w4a16_triton import (GemvTiles, LinearTiles, choose_tiles,  # noqa: E402
+                                        split_for, w4a16_gemv)
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
 from tests.quantization.dequantize import nv_dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
@@ -231,6 +232,48 @@ def test_linear_matches_twin(fmt: str, dtype: torch.dtype, num_rows: int, out: i
     # The twin is the dequantized model: x @ dequantized(w).T in x's dtype.
     dense = bitwise_dequantize(weight).to(DEVICE, dtype)
     assert torch.equal(twin, F.linear(x, dense))
+
+
+GEMV_CASES = [
+    # (N, K, tiles): K a multiple of the scale block but not of BLOCK_K, odd N; split-K
+    (23, 96, GemvTiles(16, 64, 4)),
+    (37, 160, GemvTiles(32, 32, 2, split_k=5)),
+    (19, 96, None),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(("out", "inp", "tiles"), GEMV_CASES)
+def test_gemv_matches_twin(fmt: str, dtype: torch.dtype, out: int, inp: int,
+                           tiles: GemvTiles | None) -> None:
+    """One row (batch-1 decode): the GEMV without tl.dot, bias included."""
+    weight = random_weight(fmt, out, inp, seed=out)
+    gen = torch.Generator().manual_seed(out)
+    x = torch.randn(1, inp, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(out, generator=gen).to(DEVICE, dtype)
+    twin = w4a16_linear_torch(x, weight, bias)
+    kernel = w4a16_gemv(x[0], weight, bias, tiles=tiles)[None]
+    assert kernel.dtype == dtype and kernel.shape == (1, out)
+    # Relative to the sum of the terms' sizes: one output has no column of rows to scale by,
+    # and a sum that cancels magnifies the twin's per-weight rounding.
+    dense = bitwise_dequantize(weight).to(DEVICE)
+    size = (x.float().abs() @ dense.abs().t()) + bias.float().abs()
+    assert ((kernel.float() - twin.float()).abs() <= TOLERANCE[dtype] * size).all()
+    if tiles is None:  # what the linear layer runs for one row
+        assert torch.equal(w4a16_linear_triton(x, weight, bias), kernel)
+
+
+def test_gemv_reads_every_code_and_scale() -> None:
+    """x = one-hot rows: each output is one weight, the twin's up to its rounding to bf16."""
+    for fmt in FORMATS:
+        weight = random_weight(fmt, 21, 64, exponents=20, seed=5)
+        dense = weight.dequantize()
+        for k in (0, 1, 17, 63):
+            x = torch.zeros(64, dtype=torch.float32, device=DEVICE)
+            x[k] = 1.0
+            torch.testing.assert_close(w4a16_gemv(x, weight), dense[:, k].to(DEVICE),
+                                       rtol=2**-20, atol=0)
 
 
 def test_linear_bias_leading_dims_and_strides() -> None:
@@ -458,6 +501,16 @@ for fmt, m in (("nvfp4", 1), ("mxfp4", 64)):
              BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
              PRECISION="tf32", WIDEN=False),
         UNIT, tiles.num_warps, tiles.num_stages)
+for fmt in ("nvfp4", "mxfp4"):
+    block = 16 if fmt == "nvfp4" else 32
+    gemv = w4a16_triton.choose_gemv_tiles(2048, 4096, block)
+    compile_for_hopper(
+        w4a16_triton._w4a16_gemv_kernel,
+        dict(packed, x_ptr="*bf16", bias_ptr="*bf16", y_ptr="*fp32"),
+        dict(K=4096, SCALE_BLOCK=block, SCALE_E8M0=fmt == "mxfp4",
+             HAS_ROW_FACTOR=fmt == "nvfp4", HAS_BIAS=False, BLOCK_N=gemv.block_n,
+             BLOCK_K=gemv.block_k, K_PER_PROGRAM=4096 // gemv.split_k, PARTIAL=True),
+        UNIT, gemv.num_warps)
 prefill = moe_triton.choose_tiles(8192 * 8, 256)
 prefill_gemm2 = (min(prefill.gemm2[0], moe_triton.FP4_MAX_GEMM2_BLOCK_N), *prefill.gemm2[1:])
 for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
@@ -486,7 +539,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper() -> None:
-    """The linear kernel (NVFP4 decode, MXFP4 at 64 rows) and the fused experts' GEMMs (FP4
-    and FP8 at decode and prefill tiles, dense at decode) compile for sm_90 with the tiles the
-    launchers pick."""
+    """The linear kernel (NVFP4 decode, MXFP4 at 64 rows), the one-row GEMV and the fused
+    experts' GEMMs (FP4 and FP8 at decode and prefill tiles, dense at decode) compile for
+    sm_90 with the tiles the launchers pick."""
     assert_script_compiles(_COMPILE_FOR_HOPPER)
