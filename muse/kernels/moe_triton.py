@@ -19,6 +19,9 @@ Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
 `muse.kernels.w4a16_triton`, the rest of the kernel (block rows, experts, masks) unchanged.
+With one pair per block an FP4 GEMM runs as a GEMV (`GEMV`: the pair's row alone, without
+`tl.dot`, `w4a16_triton.fp4_gemv_step`): the 15 padding rows cost nothing, and each block's
+scale one multiply.
 Or FP8 (`muse.kernels.w8a16.Fp8Weight`): the `FP8` switch keeps the dense loads, of the E4M3
 bytes, and turns each loaded tile into the activation dtype with its rows' scales (`_fp8_tile`).
 """
@@ -34,7 +37,7 @@ import triton.language as tl
 from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
 from muse.kernels.w4a16 import Fp4Weight
-from muse.kernels.w4a16_triton import even_odd_columns, fp4_weight_tiles
+from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
 from muse.kernels.w8a16 import Fp8Weight
 
 
@@ -152,7 +155,7 @@ def _gemm1_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ROW_FACTOR: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
 
@@ -164,6 +167,8 @@ def _gemm1_swiglu_kernel(
     factors (`fp4_weight_tiles`). FP8: w_ptr is the E4M3 bytes [E, 2I, L], read like a dense
     weight, and row_factor_ptr their row scales [E, 2I, 1] (HAS_ROW_FACTOR). Otherwise w_ptr is
     the dense [E, 2I, L] and the scale and factor pointers are not read.
+    GEMV (one pair per block, FP4 weights): the pair's row alone, without `tl.dot`
+    (`fp4_gemv_step`).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -184,6 +189,26 @@ def _gemm1_swiglu_kernel(
         gate_factor = tl.load(factor_ptrs, mask=col_ok, other=1.0).to(tl.float32)
         up_factor = tl.load(factor_ptrs + INTER * stride_rn, mask=col_ok,
                             other=1.0).to(tl.float32)
+
+    if GEMV:
+        w_ptr += expert * stride_we
+        scales_ptr += expert * stride_se
+        x_row = x_ptr + (pid_m // top_k) * stride_xt  # block pid_m is pair pid_m
+        gemv_gate = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        gemv_up = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        for k_start in range(0, LATENT, BLOCK_K):
+            gemv_gate += fp4_gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols, col_ok,
+                                       k_start, stride_wn, stride_wk, stride_sn, stride_sk,
+                                       LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0)
+            gemv_up += fp4_gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols + INTER,
+                                     col_ok, k_start, stride_wn, stride_wk, stride_sn,
+                                     stride_sk, LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK,
+                                     SCALE_E8M0)
+        gate = tl.sum(gemv_gate, axis=1) * gate_factor
+        up = tl.sum(gemv_up, axis=1) * up_factor
+        tl.store(h_ptr + pid_m * stride_hm + cols * stride_hn,
+                 (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=col_ok)
+        return
 
     if FP4:
         w_ptr += expert * stride_we
@@ -251,12 +276,12 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ROW_FACTOR: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr,
 ):
     """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
 
-    ONE_PAIR_PER_BLOCK, FP4 (down packed as [E, L, I/2]) and FP8 (down [E, L, I] E4M3 bytes)
-    as in `_gemm1_swiglu_kernel`.
+    ONE_PAIR_PER_BLOCK, FP4 (down packed as [E, L, I/2]), FP8 (down [E, L, I] E4M3 bytes) and
+    GEMV as in `_gemm1_swiglu_kernel`.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -272,6 +297,18 @@ def _gemm2_kernel(
     if HAS_ROW_FACTOR:
         factor = tl.load(row_factor_ptr + expert * stride_re + cols * stride_rn,
                          mask=col_ok, other=1.0).to(tl.float32)
+
+    if GEMV:  # h's row pid_m is pair pid_m's
+        w_ptr += expert * stride_we
+        scales_ptr += expert * stride_se
+        gemv = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        for k_start in range(0, INTER, BLOCK_K):
+            gemv += fp4_gemv_step(h_ptr + pid_m * stride_hm, stride_hk, w_ptr, scales_ptr,
+                                  cols, col_ok, k_start, stride_wn, stride_wk, stride_sn,
+                                  stride_sk, INTER, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0)
+        tl.store(y_ptr + pid_m * stride_ym + cols * stride_yn,
+                 tl.sum(gemv, axis=1) * factor, mask=col_ok)
+        return
 
     # h rows are in block order (sorted, or pair order with one pair per block), so this
     # block's rows are contiguous: no gather here.
@@ -449,7 +486,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         h.stride(0), h.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        **w_format, num_warps=warps, num_stages=stages,
+        GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
+        num_stages=stages,
     )
 
     # y stays float32: it feeds an RMSNorm and a k-way weighted sum, and rounding it to bf16
@@ -469,7 +507,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         y.stride(0), y.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        **w_format, num_warps=warps, num_stages=stages,
+        GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
+        num_stages=stages,
     )
 
     if reduce_pairs is not None:

@@ -230,6 +230,47 @@ def choose_gemv_tiles(out_features: int, in_features: int, block: int) -> GemvTi
 
 
 @triton.jit
+def fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, rows, row_ok, k_start,
+                  stride_pn, stride_pk, stride_sn, stride_sk, K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                  SCALE_E8M0: tl.constexpr):
+    """One K step of a GEMV on an FP4 weight, without `tl.dot`: for weight rows `rows`
+    [BLOCK_N] and inputs k_start .. k_start + BLOCK_K, each scale block's sum of
+    e2m1 * x times the block's scale, [BLOCK_N, BLOCK_K / SCALE_BLOCK] float32 (summed over
+    the steps and the blocks by the caller, who then applies the row factor).
+
+    A decode GEMV reads each weight once, so the work per weight bounds it: each nibble
+    becomes a float16 (two integer ops and a bitcast, as in `fp4_weight_tiles`), is widened
+    and multiplied into the products with x; the scale costs one multiply per block. x_ptr
+    points at the activation row (inputs at stride_xk)."""
+    GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    HALF: tl.constexpr = SCALE_BLOCK // 2  # packed bytes per scale
+    groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
+    group_ok = groups < K // SCALE_BLOCK
+    mask = row_ok[:, None] & group_ok[None, :]
+    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + groups[None, :] * stride_sk,
+                    mask=mask, other=0)
+    if SCALE_E8M0:
+        exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
+        folded = (exponent << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
+    else:
+        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+    byte_cols = groups[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
+    packed = tl.load(packed_ptr + rows[:, None, None] * stride_pn + byte_cols * stride_pk,
+                     mask=mask[:, :, None], other=0).to(tl.uint16)
+    even = (((packed & 0x8) << 12) | ((packed & 0x7) << 9)).to(tl.float16, bitcast=True)
+    odd = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True)
+    # x's even and odd inputs of each scale block, [GROUPS, HALF] each.
+    ks = groups[:, None] * SCALE_BLOCK + 2 * tl.arange(0, HALF)[None, :]
+    x_even = tl.load(x_ptr + ks * stride_xk, mask=group_ok[:, None], other=0.0)
+    x_odd = tl.load(x_ptr + (ks + 1) * stride_xk, mask=group_ok[:, None], other=0.0)
+    products = (even.to(tl.float32) * x_even.to(tl.float32)[None, :, :]
+                + odd.to(tl.float32) * x_odd.to(tl.float32)[None, :, :])
+    return tl.sum(products, axis=2) * scale
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, packed_ptr, scales_ptr, row_factor_ptr, bias_ptr, y_ptr, N,
     stride_xk, stride_pn, stride_pk, stride_sn, stride_sk, stride_rn, stride_yn,
@@ -239,46 +280,19 @@ def _w4a16_gemv_kernel(
     PARTIAL: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one activation row and BLOCK_N outputs, over
-    this program's K slice, without `tl.dot`: a decode GEMV reads each weight once, so the
-    work per weight is what bounds it. Each nibble becomes a float16 (two integer ops and a
-    bitcast, as in `fp4_weight_tiles`), is widened and multiplied into the float32 products
-    with x; a scale block's products are summed first and the block's sum times its scale
-    is accumulated [BLOCK_N, GROUPS]; the row factor multiplies the final sum. So the scale
-    and the row factor cost one multiply per block and per output, not per weight (the
-    twin rounds each weight to the activation dtype first: the results differ by that
-    rounding, well inside the tests' tolerance)."""
-    GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
-    HALF: tl.constexpr = SCALE_BLOCK // 2  # packed bytes per scale
+    this program's K slice (`fp4_gemv_step`); the row factor multiplies each output's sum
+    once. The twin rounds each weight to the activation dtype first: the results differ by
+    that rounding, well inside the tests' tolerance."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
     k_first = pid_k * K_PER_PROGRAM
     for k_start in range(k_first, k_first + K_PER_PROGRAM, BLOCK_K):
-        groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
-        group_ok = groups < K // SCALE_BLOCK
-        mask = col_ok[:, None] & group_ok[None, :]
-        scale = tl.load(scales_ptr + cols[:, None] * stride_sn + groups[None, :] * stride_sk,
-                        mask=mask, other=0)
-        if SCALE_E8M0:
-            exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
-            folded = (exponent << 23).to(tl.float32, bitcast=True)
-            scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
-        else:
-            scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
-        byte_cols = groups[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
-        packed = tl.load(packed_ptr + cols[:, None, None] * stride_pn + byte_cols * stride_pk,
-                         mask=mask[:, :, None], other=0).to(tl.uint16)
-        even = (((packed & 0x8) << 12) | ((packed & 0x7) << 9)).to(tl.float16, bitcast=True)
-        odd = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True)
-        # x's even and odd inputs of each scale block, [GROUPS, HALF] each.
-        ks = groups[:, None] * SCALE_BLOCK + 2 * tl.arange(0, HALF)[None, :]
-        x_even = tl.load(x_ptr + ks * stride_xk, mask=group_ok[:, None], other=0.0)
-        x_odd = tl.load(x_ptr + (ks + 1) * stride_xk, mask=group_ok[:, None], other=0.0)
-        products = (even.to(tl.float32) * x_even.to(tl.float32)[None, :, :]
-                    + odd.to(tl.float32) * x_odd.to(tl.float32)[None, :, :])
-        acc += tl.sum(products, axis=2) * scale
+        acc += fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, cols, col_ok, k_start,
+                             stride_pn, stride_pk, stride_sn, stride_sk, K, BLOCK_N, BLOCK_K,
+                             SCALE_BLOCK, SCALE_E8M0)
     out = tl.sum(acc, axis=1)
     if HAS_ROW_FACTOR:
         out *= tl.load(row_factor_ptr + cols * stride_rn, mask=col_ok, other=1.0).to(tl.float32)

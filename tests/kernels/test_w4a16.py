@@ -532,7 +532,7 @@ for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
             dict(LATENT=1024, INTER=640, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                  PRECISION="tf32", WIDEN=False, ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4,
                  FP8=fmt == "fp8", SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
-                 HAS_ROW_FACTOR=quantized),
+                 HAS_ROW_FACTOR=quantized, GEMV=fp4 and block_m == 16),
             UNIT, num_warps, num_stages)
 print("compiled")
 """
