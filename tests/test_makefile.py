@@ -1,5 +1,5 @@
 """`make serve` installs what serving needs and no more; `make test` adds the test extras (and
-Ray, for the tests of its executor backend)."""
+Ray and NIXL, for the tests of the Ray executor backend and the NIXL connector)."""
 
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ def test_serve_installs_no_test_extras(tmp_path):
     assert "pip install -q -e ." in serve and "[test" not in serve
     assert "muse serve" in serve
     test = planned_commands("test", tmp_path / "venv")
-    assert "-e '.[test,ray]'" in test and "pytest" in test
+    assert "-e '.[test,ray,nixl]'" in test and "pytest" in test
