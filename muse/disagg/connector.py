@@ -16,6 +16,15 @@ blocks: it moves (key, block bytes) pairs. The engine calls, on its own thread:
 - `serve()` between steps, also while idle: answer transfers, expire holds;
 - `close()`.
 
+And inside each forward pass, layer by layer, where the connector overrides them (vLLM's
+names; the engine then runs every step eagerly, as captured graphs call no Python):
+
+- `wait_for_layer_load(position)` before the rank's layer `position` runs: a connector
+  that loads asynchronously waits here for that layer's blocks;
+- `save_kv_layer(position, kv_cache, meta)` after it: the layer's (K, V) cache with the
+  step's tokens written (`meta.kinds[kind].slot_mapping` gives each token's slot), to send or
+  store layer by layer.
+
 `--kv-transfer-config` picks one: `"kv_connector": "MuseConnector"` (prefill / decode
 instances over torch.distributed, `muse_connector.py`), `"SharedStorageConnector"` (a
 directory several instances share, `shared_storage.py`), or a class of your own, named with
@@ -28,9 +37,12 @@ import importlib
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.engine_kv import EngineKV
 from muse.engine.request import Request
+from muse.kernels.attention_metadata import BatchMetadata
 
 
 class KVConnector:
@@ -56,6 +68,33 @@ class KVConnector:
 
     def close(self) -> None:
         pass
+
+    def wait_for_layer_load(self, position: int) -> None:
+        pass
+
+    def save_kv_layer(self, position: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      meta: BatchMetadata) -> None:
+        pass
+
+    @property
+    def has_layer_hooks(self) -> bool:
+        """Whether this connector overrides a per-layer hook (then the forward calls them)."""
+        return (type(self).wait_for_layer_load is not KVConnector.wait_for_layer_load
+                or type(self).save_kv_layer is not KVConnector.save_kv_layer)
+
+
+class ConnectorLayerHooks:
+    """A connector's per-layer hooks as the forward pass calls them (`LayerHooks`)."""
+
+    def __init__(self, connector: KVConnector) -> None:
+        self.connector = connector
+
+    def before_layer(self, position: int) -> None:
+        self.connector.wait_for_layer_load(position)
+
+    def after_layer(self, position: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: BatchMetadata) -> None:
+        self.connector.save_kv_layer(position, kv_cache, meta)
 
 
 def load_connector(kv: EngineKV, config: KVTransferConfig) -> KVConnector:

@@ -17,7 +17,7 @@ import torch
 
 from muse.config import FULL, SLIDING, MuseSparkConfig
 from muse.disagg.config import KVTransferConfig
-from muse.disagg.connector import KVConnector, load_connector
+from muse.disagg.connector import ConnectorLayerHooks, KVConnector, load_connector
 from muse.disagg.encoder_connector import ECTransferConfig, connected_encoders
 from muse.disagg.engine_kv import EngineKV, enter_blocks
 from muse.disagg.kv_import import check_kv_transfer_params
@@ -337,6 +337,9 @@ class EngineCore:
                                        self.config.sliding_window, args.enable_prefix_caching,
                                        offload)
         self.kv_connector = self._kv_connector()
+        if self.kv_connector is not None and self.kv_connector.has_layer_hooks:
+            self.model.layer_hooks.append(ConnectorLayerHooks(self.kv_connector))
+            self.executor.worker.eager_layers = True
         self.runner = ModelRunner(self.kv_cache, self.executor, self.device)
         if self.speculative is not None:
             self.runner.rejection_sample_method = self.speculative.rejection_sample_method

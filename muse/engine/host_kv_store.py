@@ -110,6 +110,10 @@ class HostKVStore:
         if position in self.pending:
             self._scatter(position)
 
+    def after_layer(self, position: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: object) -> None:
+        """Saves are planned per step, not per layer."""
+
     def finish_loads(self) -> None:
         """Every pending load lands now (before a forward pass that calls no hooks, such as
         a captured graph's replay)."""

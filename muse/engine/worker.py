@@ -43,7 +43,7 @@ class ModelWorker:
         # land layer group by layer group inside eager forwards.
         self.host_store = host_store
         if host_store is not None:
-            model.layer_hooks = host_store
+            model.layer_hooks.append(host_store)
         # The image / audio encoders (when the model has them) and the cache of their outputs.
         self.encoders = encoders
         self.encoder_cache = encoder_cache
@@ -52,6 +52,8 @@ class ModelWorker:
         self.block_size = block_size
         # Captured steps by query length: decode (1), then speculative verify shapes.
         self.graphs = sorted(graphs or [], key=lambda g: g.query_len)
+        # Every step eager: a KV connector's per-layer hooks must run in each forward.
+        self.eager_layers = False
         # Pipeline steps run, by their number of micro-batches.
         self.micro_batch_steps: Counter[int] = Counter()
         self.context_parallel_steps = 0  # steps whose tokens were split over the PCP ranks
@@ -201,9 +203,9 @@ class ModelWorker:
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits (not for
         the step that calculates the FP8 KV scales, nor one whose adapters adapt routed experts:
-        the graphs were captured without them)."""
+        the graphs were captured without them; nor with a connector's per-layer hooks)."""
         lora = self.model.lora_context
-        eager = self.model.kv_scales_pending or (
+        eager = self.model.kv_scales_pending or self.eager_layers or (
             batch.lora_slots is not None and lora is not None and lora.experts_adapted)
         for graphs in () if eager else self.graphs:
             size = graphs.prepare(batch)

@@ -33,7 +33,13 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(?P<index>\d+)\.")
 
 
 class LayerHooks(Protocol):
+    """Called around each of this rank's layers in an eager forward (position: the layer's
+    index among the rank's layers, as its KV caches are ordered)."""
+
     def before_layer(self, position: int) -> None: ...
+
+    def after_layer(self, position: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: BatchMetadata) -> None: ...
 
 
 class EngineDecoderLayer(nn.Module):
@@ -129,9 +135,9 @@ class EngineModel(nn.Module):
         # Set by `muse.lora.manager.LoRAManager`: each forward tells the adapted layers which
         # adapter slot each token uses.
         self.lora_context = None
-        # Called with each of this rank's layers' position before the layer runs (eager
-        # forwards only): `before_layer(position)`. The host KV tier lands its loads there.
-        self.layer_hooks: LayerHooks | None = None
+        # Called around each of this rank's layers (eager forwards only): the host KV tier
+        # lands its loads before a layer, a KV connector may load and save layer by layer.
+        self.layer_hooks: list[LayerHooks] = []
 
     def calculate_kv_scales_on_next_step(self) -> None:
         """The next forward's K/V set the FP8 KV scales of every layer, which stay fixed
@@ -203,9 +209,11 @@ class EngineModel(nn.Module):
         hooks = self.layer_hooks
         for position, ((index, layer), kv_cache) in enumerate(zip(self.model.layers.items(),
                                                                   kv_caches)):
-            if hooks is not None:
-                hooks.before_layer(position)
+            for hook in hooks:
+                hook.before_layer(position)
             x, residual = layer(x, residual, rotary, meta=meta, kv_cache=kv_cache)
+            for hook in hooks:
+                hook.after_layer(position, kv_cache, meta)
             if int(index) in self.capture_layers:
                 captured.append(x + residual)  # the layer's output, as the reference's
         if self.kv_scales_pending:

@@ -2,7 +2,8 @@
 hands a prompt's blocks from one engine to a fresh one through a directory (the second
 computes only the rest, with exactly the output of a full prefill, and uses what it read:
 corrupted files change the output), and a connector class of one's own, named by
-`kv_connector_module_path`, is called at each point the interface promises."""
+`kv_connector_module_path`, is called at each point the interface promises, its per-layer
+hooks inside the forward pass too (each layer's K/V saved there is what the cache holds)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,48 @@ def test_a_connector_of_ones_own_is_called_at_each_point(reference) -> None:
     finished = [c for c in RecordingConnector.calls if c[0] == "request_finished"]
     assert all(c[2] == "length" and c[3] == 6 for c in finished)  # blocks still in place
     assert "serve" in names
+
+
+class LayerConnector(KVConnector):
+    """Saves each step's new K/V layer by layer, as a push-style connector would."""
+
+    waits: list[int] = []
+    saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, slots, K rows)
+
+    def wait_for_layer_load(self, position):
+        self.waits.append(position)
+
+    def save_kv_layer(self, position, kv_cache, meta):
+        kind = next(k for k, layers in self.kv.layers.items() if position in layers)
+        slots = meta.kinds[kind].slot_mapping
+        k = kv_cache[0].flatten(0, 1)  # [blocks * block_size, heads, dim]
+        self.saved.append((position, slots.clone(), k[slots].clone()))
+
+
+def test_a_connectors_layer_hooks_run_around_every_layer(reference) -> None:
+    config = json.dumps({"kv_role": "kv_both", "kv_connector": "LayerConnector",
+                         "kv_connector_module_path": __name__})
+    llm = engine(kv_transfer_config=config)
+    LayerConnector.waits.clear()
+    LayerConnector.saved.clear()
+    try:
+        assert llm.engine.executor.worker.eager_layers
+        tokens = run(llm)[0]
+        layers = len(llm.engine.model.layer_types)
+        caches = llm.engine.executor.worker.kv_caches
+    finally:
+        llm.shutdown()
+    assert tokens == reference  # the hooks change nothing
+    steps = len(LayerConnector.waits) // layers
+    assert steps >= GREEDY.max_tokens and LayerConnector.waits == list(range(layers)) * steps
+    assert [position for position, _, _ in LayerConnector.saved] == list(range(layers)) * steps
+    # Each layer's K rows of the step's tokens, as the hook saw them, are the cache's (the
+    # sliding layers' slots of early tokens may have been reused since: global layers only).
+    for position, slots, rows in LayerConnector.saved:
+        if llm.engine.model.layer_types[position] == "full_attention":
+            assert torch.equal(caches[position][0].flatten(0, 1)[slots], rows)
+    # The first step is the prompt's prefill (the engine's chunk takes it whole).
+    assert all(len(slots) == len(PROMPT) for _, slots, _ in LayerConnector.saved[:layers])
 
 
 @pytest.mark.parametrize("fields, message", [
