@@ -173,6 +173,10 @@ class KVCacheManager:
         state = self._state(request)
         first_position = request.num_computed_tokens + num_cached_tokens
         total = first_position + num_new_tokens
+        if not num_cached_tokens:  # decoding: most steps fit in the blocks held already
+            blocks = -(-total // self.block_size)
+            if all(len(table) >= blocks for table in state.tables.values()):
+                return True
         num_cached_blocks = num_cached_tokens // self.block_size
         keys = state.keys
         # Per kind: the table's cached part (a GPU block, or None: load it from below) and
