@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from muse.json_options import json_object
 
+logger = logging.getLogger("muse.disagg")
 EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 SHARED_STORAGE = ("ECSharedStorageConnector", "ECExampleConnector")
 
@@ -178,9 +180,7 @@ class ConnectedEncoders:
 
     def encode(self, items: Sequence[Any]) -> list[torch.Tensor]:
         config = self.connector.config
-        out: list[torch.Tensor | None] = [
-            self.connector.load(item.content_hash, self.device) if config.is_consumer else None
-            for item in items]
+        out = [self._load(item) if config.is_consumer else None for item in items]
         self.items_loaded += sum(tensor is not None for tensor in out)
         missing = [i for i, tensor in enumerate(out) if tensor is None]
         if missing:
@@ -190,3 +190,18 @@ class ConnectedEncoders:
                 if config.is_producer:
                     self.connector.save(items[i].content_hash, tensor)
         return out  # type: ignore[return-value]
+
+    def _load(self, item: Any) -> torch.Tensor | None:
+        """The stored output of `item`, or None when there is none or it cannot be the
+        item's (a damaged file, another row count): then the item is encoded here."""
+        try:
+            tensor = self.connector.load(item.content_hash, self.device)
+        except Exception as error:  # a damaged file must not fail the step
+            logger.warning("encoder output %s unreadable (%s): encoding it here",
+                           item.content_hash, error)
+            return None
+        if tensor is not None and (tensor.dim() != 2 or tensor.shape[0] != item.num_tokens):
+            logger.warning("encoder output %s has shape %s, not %d rows: encoding it here",
+                           item.content_hash, list(tensor.shape), item.num_tokens)
+            return None
+        return tensor

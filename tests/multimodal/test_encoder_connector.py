@@ -65,6 +65,19 @@ def test_the_consumer_reads_what_the_encoder_instance_wrote(plain, tmp_path):
     altered.shutdown()
 
 
+def test_a_damaged_or_misshapen_output_is_encoded_instead(plain, tmp_path):
+    tiny_llm(ec_transfer_config=config("ec_producer", tmp_path)).generate(
+        [request(4)], greedy(), use_tqdm=False)
+    damaged, short = sorted(tmp_path.rglob("*.safetensors"))  # the image's and the clip's
+    damaged.write_bytes(b"not a safetensors file")
+    stored = load_file(short)["embeddings"]
+    save_file({"embeddings": stored[:-1].contiguous()}, short)  # a row short
+    consumer = tiny_llm(ec_transfer_config=config("ec_consumer", tmp_path))
+    assert tokens(consumer, [request(4)]) == tokens(plain, [request(4)])
+    assert consumer.engine.worker_encoders.items_loaded == 0
+    consumer.shutdown()
+
+
 def test_another_models_outputs_are_not_read(tmp_path):
     tiny_llm(ec_transfer_config=config("ec_producer", tmp_path)).generate(
         [request(1)], greedy(), use_tqdm=False)
