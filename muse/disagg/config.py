@@ -4,10 +4,10 @@
 With the `MuseConnector` a producer (prefill instance) listens on `kv_ip:kv_port` for decode
 instances pulling KV blocks; a consumer (decode instance) pulls from the producer a
 request's `kv_transfer_params` name. The `NixlConnector` does the same with the blocks'
-bytes moved by NIXL agents (the `nixl` package; `muse/disagg/nixl_plane.py`). The `SharedStorageConnector` reads and writes
-`kv_connector_extra_config.shared_storage_path`; `kv_connector_module_path` names the module
-of a connector class of your own (`muse/disagg/connector.py`). vLLM's other fields are
-accepted and have no effect here.
+bytes moved by NIXL agents (the `nixl` package; `muse/disagg/nixl_plane.py`). The
+`SharedStorageConnector` reads and writes `kv_connector_extra_config.shared_storage_path`;
+`kv_connector_module_path` names the module of a connector class of your own
+(`muse/disagg/connector.py`). vLLM's other fields are accepted and have no effect here.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from muse.disagg.transport import BytesPlane, KVTransferError, _recv, _send
+from muse.disagg.transport import BytesPlane, KVTransferError, recv_tensor, send_tensor
 
 _names = itertools.count()
 
@@ -53,11 +53,11 @@ class NixlPlane(BytesPlane):
         memory registered for that pull); the producer only answers reads."""
         name = torch.frombuffer(bytearray(self.name.encode()), dtype=torch.uint8)
         if peer == 1:  # the producer
-            _send(group, torch.tensor([name.numel()]), peer)
-            _send(group, name, peer)
+            send_tensor(group, torch.tensor([name.numel()]), peer)
+            send_tensor(group, name, peer)
             return peer, ""
-        size = int(_recv(group, torch.zeros(1, dtype=torch.int64), peer))
-        return peer, bytes(_recv(group, torch.zeros(size, dtype=torch.uint8), peer)
+        size = int(recv_tensor(group, torch.zeros(1, dtype=torch.int64), peer))
+        return peer, bytes(recv_tensor(group, torch.zeros(size, dtype=torch.uint8), peer)
                            .tolist()).decode()
 
     def send(self, group: dist.ProcessGroup, peer: tuple[int, str],
@@ -70,11 +70,11 @@ class NixlPlane(BytesPlane):
         try:
             metadata = torch.frombuffer(bytearray(self.agent.get_agent_metadata()),
                                         dtype=torch.uint8)
-            _send(group, torch.tensor([metadata.numel()]), rank)
-            _send(group, metadata, rank)
-            _send(group, torch.tensor([[t.data_ptr(), t.numel() * t.element_size(),
+            send_tensor(group, torch.tensor([metadata.numel()]), rank)
+            send_tensor(group, metadata, rank)
+            send_tensor(group, torch.tensor([[t.data_ptr(), t.numel() * t.element_size(),
                                         max(t.get_device(), 0)] for t in tensors]), rank)
-            _recv(group, torch.zeros(1, dtype=torch.int64), rank)  # read and done
+            recv_tensor(group, torch.zeros(1, dtype=torch.int64), rank)  # read and done
         finally:
             self.agent.deregister_memory(registered)
 
@@ -84,12 +84,12 @@ class NixlPlane(BytesPlane):
             return []
         rank, name = peer
         out = [torch.empty(shape, dtype=torch.uint8) for shape in shapes]
-        size = int(_recv(group, torch.zeros(1, dtype=torch.int64), rank))
-        metadata = bytes(_recv(group, torch.zeros(size, dtype=torch.uint8), rank).tolist())
+        size = int(recv_tensor(group, torch.zeros(1, dtype=torch.int64), rank))
+        metadata = bytes(recv_tensor(group, torch.zeros(size, dtype=torch.uint8), rank).tolist())
         added = self.agent.add_remote_agent(metadata)
         if (added.decode() if isinstance(added, bytes) else added) != name:
             raise KVTransferError("the NIXL metadata is not the producer's agent")
-        remote = _recv(group, torch.zeros((len(shapes), 3), dtype=torch.int64), rank).tolist()
+        remote = recv_tensor(group, torch.zeros((len(shapes), 3), dtype=torch.int64), rank).tolist()
         registered = self.agent.register_memory(out)
         try:
             handle = self.agent.initialize_xfer(
@@ -107,5 +107,5 @@ class NixlPlane(BytesPlane):
                 self.agent.release_xfer_handle(handle)
         finally:
             self.agent.deregister_memory(registered)
-        _send(group, torch.ones(1, dtype=torch.int64), rank)
+        send_tensor(group, torch.ones(1, dtype=torch.int64), rank)
         return out

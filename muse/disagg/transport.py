@@ -53,11 +53,11 @@ class BytesPlane:
     def send(self, group: dist.ProcessGroup, peer: object, tensors: list[torch.Tensor]
              ) -> None:
         for tensor in tensors:
-            _send(group, tensor, peer)
+            send_tensor(group, tensor, peer)
 
     def receive(self, group: dist.ProcessGroup, peer: object,
                 shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        return [_recv(group, torch.zeros(shape, dtype=torch.uint8), peer) for shape in shapes]
+        return [recv_tensor(group, torch.zeros(shape, dtype=torch.uint8), peer) for shape in shapes]
 
 
 GlooPlane = BytesPlane  # the bytes on the gloo group itself
@@ -72,11 +72,11 @@ def _group(store: dist.Store, pair: int, rank: int, timeout_s: float) -> dist.Pr
                                  datetime.timedelta(seconds=timeout_s))
 
 
-def _send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> None:
+def send_tensor(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> None:
     group.send([tensor.contiguous()], peer, 0).wait()
 
 
-def _recv(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+def recv_tensor(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int) -> torch.Tensor:
     group.recv([tensor], peer, 0).wait()
     return tensor
 
@@ -115,24 +115,24 @@ class PairListener:
             logger.info("KV pair %d closed: %s", pair, error)
 
     def _answer(self, group: dist.ProcessGroup, peer: object) -> None:
-        header = _recv(group, torch.zeros(HEADER, dtype=torch.int64), 1).tolist()
+        header = recv_tensor(group, torch.zeros(HEADER, dtype=torch.int64), 1).tolist()
         num_keys, id_bytes = header[0], header[1]
-        keys = _recv(group, torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8), 1) \
+        keys = recv_tensor(group, torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8), 1) \
             if num_keys else torch.zeros(0, dtype=torch.uint8)
-        request_id = bytes(_recv(group, torch.zeros(id_bytes, dtype=torch.uint8), 1).tolist()) \
-            .decode() if id_bytes else ""
+        request_id = bytes(recv_tensor(group, torch.zeros(id_bytes, dtype=torch.uint8), 1)
+                           .tolist()).decode() if id_bytes else ""
         theirs = dict(zip(self.kinds, header[2:4]))
         if any(theirs[kind] != self.block_bytes[kind] for kind in self.kinds):
-            _send(group, torch.tensor([STATUS_MISMATCH, 0, 0]), 1)
+            send_tensor(group, torch.tensor([STATUS_MISMATCH, 0, 0]), 1)
             return
         key_list = [bytes(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES].tolist())
                     for i in range(num_keys)]
         blocks = self.handler(request_id, key_list)
         counts = [int(blocks[kind][1].shape[0]) for kind in self.kinds]
-        _send(group, torch.tensor([STATUS_OK, *counts, *[0] * (2 - len(counts))]), 1)
+        send_tensor(group, torch.tensor([STATUS_OK, *counts, *[0] * (2 - len(counts))]), 1)
         present = [flag for kind in self.kinds for flag in blocks[kind][0]]
         if present:
-            _send(group, torch.tensor(present, dtype=torch.uint8), 1)
+            send_tensor(group, torch.tensor(present, dtype=torch.uint8), 1)
         self.plane.send(group, peer, [blocks[kind][1] for kind, count
                                       in zip(self.kinds, counts) if count])
 
@@ -169,17 +169,18 @@ class PairClient:
             group, peer = self._connect(host, port)
             encoded = request_id.encode()
             sizes = [self.block_bytes[kind] for kind in self.kinds]
-            _send(group, torch.tensor([len(keys), len(encoded), *sizes,
+            send_tensor(group, torch.tensor([len(keys), len(encoded), *sizes,
                                        *[0] * (4 - len(sizes))]), 0)
             if keys:
-                _send(group, torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8), 0)
+                send_tensor(group, torch.frombuffer(bytearray(b"".join(keys)),
+                                                    dtype=torch.uint8), 0)
             if encoded:
-                _send(group, torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0)
-            status, *counts = _recv(group, torch.zeros(3, dtype=torch.int64), 0).tolist()
+                send_tensor(group, torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0)
+            status, *counts = recv_tensor(group, torch.zeros(3, dtype=torch.int64), 0).tolist()
             if status != STATUS_OK:
                 raise KVTransferError(f"the producer at {host}:{port} serves blocks of "
                                       "another size (another model, dtype or block size)")
-            present = _recv(group, torch.zeros(len(self.kinds) * len(keys),
+            present = recv_tensor(group, torch.zeros(len(self.kinds) * len(keys),
                                                dtype=torch.uint8), 0).tolist() if keys else []
             received = iter(self.plane.receive(group, peer, [
                 (count, self.block_bytes[kind]) for kind, count in zip(self.kinds, counts)
