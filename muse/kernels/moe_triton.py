@@ -139,10 +139,11 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _fp8_tile(raw, row_scale, DTYPE: tl.constexpr):
-    """A [K, N] tile of E4M3 bytes (N weight rows) times the rows' float32 scales, rounded to
-    DTYPE: one float32 product, then the activation dtype, as the twin rounds."""
-    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[None, :]).to(DTYPE)
+def _fp8_tile(raw, scale, DTYPE: tl.constexpr):
+    """A [K, N] tile of E4M3 bytes (N weight rows) times the rows' float32 scales (for this
+    tile's inputs), rounded to DTYPE: one float32 product, then the activation dtype, as the
+    twin rounds."""
+    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(DTYPE)
 
 
 @triton.jit
@@ -155,7 +156,8 @@ def _gemm1_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr, FP8_BLOCK_N: tl.constexpr,
+    FP8_BLOCK_K: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
 
@@ -165,8 +167,10 @@ def _gemm1_swiglu_kernel(
     alone (row 0; the other rows are masked) and sorted_pairs_ptr is not read.
     FP4: w_ptr is the packed experts [E, 2I, L/2] with their scales and (HAS_ROW_FACTOR) row
     factors (`fp4_weight_tiles`). FP8: w_ptr is the E4M3 bytes [E, 2I, L], read like a dense
-    weight, and row_factor_ptr their row scales [E, 2I, 1] (HAS_ROW_FACTOR). Otherwise w_ptr is
-    the dense [E, 2I, L] and the scale and factor pointers are not read.
+    weight, and row_factor_ptr their row scales [E, 2I, 1] (HAS_ROW_FACTOR), or with
+    FP8_BLOCK_N > 0 scales_ptr their block scales [E, 2I / FP8_BLOCK_N, L / FP8_BLOCK_K]
+    (each K tile lies inside one block: its scales are a vector over the tile's columns).
+    Otherwise w_ptr is the dense [E, 2I, L] and the scale and factor pointers are not read.
     GEMV (one pair per block, FP4 weights): the pair's row alone, without `tl.dot`
     (`fp4_gemv_step`).
     """
@@ -250,8 +254,17 @@ def _gemm1_swiglu_kernel(
             gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             up = tl.load(up_ptrs, mask=w_mask, other=0.0)
             if FP8:
-                gate = _fp8_tile(gate, gate_factor, a.dtype)
-                up = _fp8_tile(up, up_factor, a.dtype)
+                if FP8_BLOCK_N:  # this K tile's block scales (not carried: a new name)
+                    block_ptrs = (scales_ptr + expert * stride_se
+                                  + (k_start // FP8_BLOCK_K) * stride_sk)
+                    gate_scale = tl.load(block_ptrs + (cols // FP8_BLOCK_N) * stride_sn,
+                                         mask=col_ok, other=0.0)
+                    up_scale = tl.load(block_ptrs + ((cols + INTER) // FP8_BLOCK_N)
+                                       * stride_sn, mask=col_ok, other=0.0)
+                else:
+                    gate_scale, up_scale = gate_factor, up_factor
+                gate = _fp8_tile(gate, gate_scale, a.dtype)
+                up = _fp8_tile(up, up_scale, a.dtype)
             if WIDEN:
                 a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
             acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
@@ -276,7 +289,8 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr,
+    HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr, FP8_BLOCK_N: tl.constexpr,
+    FP8_BLOCK_K: tl.constexpr,
 ):
     """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
 
@@ -339,7 +353,14 @@ def _gemm2_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if FP8:
-                b = _fp8_tile(b, factor, a.dtype)
+                if FP8_BLOCK_N:  # this K tile's block scales
+                    b_scale = tl.load(scales_ptr + expert * stride_se
+                                      + (cols // FP8_BLOCK_N) * stride_sn
+                                      + (k_start // FP8_BLOCK_K) * stride_sk,
+                                      mask=col_ok, other=0.0)
+                else:
+                    b_scale = factor
+                b = _fp8_tile(b, b_scale, a.dtype)
             if WIDEN:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -376,14 +397,18 @@ def _combine_kernel(
 
 
 _DENSE_FORMAT = dict(FP4=False, FP8=False, SCALE_BLOCK=1, SCALE_E8M0=False,
-                     HAS_ROW_FACTOR=False)
+                     HAS_ROW_FACTOR=False, FP8_BLOCK_N=0, FP8_BLOCK_K=0)
 
 
 def _weight_args(weight: ExpertWeight) -> tuple[list, dict]:
     """A GEMM kernel's weight arguments: (weight, scales, row factors and their strides),
     and the format constexprs. The weight stands in for the pointers its format lacks."""
     if isinstance(weight, Fp8Weight):
-        data, scale = weight.weight_bytes, weight.row_scale
+        data, scale = weight.weight_bytes, weight.scale
+        if weight.block is not None:  # block scales as the FP4 scales' pointer and strides
+            block_n, block_k = weight.block
+            return [data, scale, data, *data.stride(), *scale.stride(), 0, 0], \
+                _DENSE_FORMAT | dict(FP8=True, FP8_BLOCK_N=block_n, FP8_BLOCK_K=block_k)
         return [data, data, scale, *data.stride(), 0, 0, 0, scale.stride(0),
                 scale.stride(1)], _DENSE_FORMAT | dict(FP8=True, HAS_ROW_FACTOR=True)
     if not isinstance(weight, Fp4Weight):
@@ -399,9 +424,15 @@ def _weight_args(weight: ExpertWeight) -> tuple[list, dict]:
 
 def _fit_k(block_k: int, size: int, weight: ExpertWeight) -> int:
     """`_fit` for a K tile; an FP4 weight's is split into even and odd halves of >= 16 and
-    covers whole scale blocks."""
+    covers whole scale blocks; a block-scaled FP8 weight's stays inside one scale block."""
     if isinstance(weight, Fp4Weight):
         return max(32, weight.block, _fit(block_k, size))
+    if isinstance(weight, Fp8Weight) and weight.block is not None:
+        scale_k = weight.block[1]
+        if scale_k & (scale_k - 1) or scale_k < 16:
+            raise ValueError(f"FP8 block scales need a power-of-two block of >= 16 inputs, "
+                             f"got {scale_k}")
+        return min(scale_k, _fit(block_k, size))
     return _fit(block_k, size)
 
 
@@ -418,7 +449,7 @@ def _stored_bytes(weight: ExpertWeight) -> int:
     if isinstance(weight, Fp4Weight):
         return weight.packed.nbytes + weight.scale_bytes.nbytes
     if isinstance(weight, Fp8Weight):
-        return weight.weight_bytes.nbytes + weight.row_scale.nbytes
+        return weight.weight_bytes.nbytes + weight.scale.nbytes
     return weight.nbytes
 
 

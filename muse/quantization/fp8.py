@@ -29,11 +29,10 @@ shapes and `QuantOptions` (`layer.fp8_path`):
   multiplied, the exact numerics of the dequantized model.
 
 The experts of a fused MoE run weight-only (W8A16) on every device: the experts kernel takes
-one activation dtype for all experts, and a grouped FP8 GEMM is not written yet. Per-tensor
-and per-channel experts are handed to the MoE backend's experts kernel as they are stored
-(`muse.kernels.w8a16.Fp8Weight`, one scale per row), which scales each FP8 weight tile into
-the activation dtype inside its GEMMs; block-scaled experts are dequantized to the activation
-dtype on every forward.
+one activation dtype for all experts, and a grouped FP8 GEMM is not written yet. They are
+handed to the MoE backend's experts kernel as they are stored (`muse.kernels.w8a16.Fp8Weight`:
+one scale per row for per-tensor and per-channel experts, the block grid for block-scaled
+ones), which scales each FP8 weight tile into the activation dtype inside its GEMMs.
 """
 
 from __future__ import annotations
@@ -178,9 +177,8 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
 class Fp8MoEMethod(WeightOnlyMoEMethod):
     """The experts' gate/up and down projections in FP8, with the per-expert scales of the
     checkpoint's `experts.{e}.{gate,up,down}_proj.weight_scale` (per-tensor: one per part).
-    Weight-only (W8A16) on every device: per-tensor and per-channel experts as stored, read by
-    the experts kernel (`layer.fp8`, built once after loading), block-scaled ones dequantized
-    per forward. Static `input_scale`s are loaded and kept."""
+    Weight-only (W8A16) on every device: the experts as stored, read by the experts kernel
+    (`layer.fp8`, built once after loading). Static `input_scale`s are loaded and kept."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -205,39 +203,28 @@ class Fp8MoEMethod(WeightOnlyMoEMethod):
                               (num_experts, parts), torch.float32, weight_loader,
                               **moe_tags(projection, per_part=True))
 
-    @property
-    def row_scaled(self) -> bool:
-        """Whether every weight row has one scale (per tensor or per channel, not blocks)."""
-        return self.scheme.strategy != "block"
-
     def fp8_weight(self, layer: nn.Module, projection: str) -> Fp8Weight:
-        """`gate_up` [E, 2I, L] (gate rows, then up rows) or `down` [E, L, I] with its row
-        scales (a row-scaled scheme only)."""
+        """`gate_up` [E, 2I, L] (gate rows, then up rows) or `down` [E, L, I] with its scales:
+        per row (a per-tensor scheme's expanded) or its block grid."""
         weight = getattr(layer, expert_param(projection, "weight"))
         scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
         if self.scheme.strategy == "tensor":
             # One scalar per part and expert: rows of the gate half, then of the up half.
             parts = scale.shape[1]
             scale = row_scales(scale, [weight.shape[1] // parts] * parts)
-        return Fp8Weight(weight, scale)
+        block = self.scheme.block if self.scheme.strategy == "block" else None
+        return Fp8Weight(weight, scale, tuple(block) if block is not None else None)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # Built once, so that a forward runs no torch op on the weights (capturable).
-        if self.row_scaled:
-            layer.fp8 = {projection: self.fp8_weight(layer, projection)
-                         for projection in ("gate_up", "down")}
+        layer.fp8 = {projection: self.fp8_weight(layer, projection)
+                     for projection in ("gate_up", "down")}
 
     def dequantized(self, layer: nn.Module, projection: str) -> torch.Tensor:
-        if self.row_scaled:
-            return self.fp8_weight(layer, projection).dequantize()
-        weight = getattr(layer, expert_param(projection, "weight"))
-        scale = getattr(layer, expert_param(projection, self.scheme.scale_name))
-        return dequantize(weight, scale, self.scheme)
+        return self.fp8_weight(layer, projection).dequantize()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, reduce_pairs: PairReduce | None = None) -> torch.Tensor:
-        if not self.row_scaled:
-            return super().apply(layer, x, topk_weights, topk_ids, reduce_pairs)
         return layer.experts_kernel(x, topk_weights, topk_ids, layer.fp8["gate_up"],
                                     layer.fp8["down"], layer.norm_weight, layer.eps,
                                     reduce_pairs=reduce_pairs)

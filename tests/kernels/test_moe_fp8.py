@@ -22,7 +22,8 @@ from muse.kernels import moe_triton  # noqa: E402
 from muse.kernels.moe import fused_experts_torch  # noqa: E402
 from muse.kernels.w8a16 import Fp8Weight  # noqa: E402
 from muse.quantization.common import WeightOnlyMoEMethod  # noqa: E402
-from muse.quantization.fp8 import Fp8MoEMethod, Fp8Scheme  # noqa: E402
+from muse.quantization.common import expert_param  # noqa: E402
+from muse.quantization.fp8 import Fp8MoEMethod, Fp8Scheme, dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.kernels.graph_capture import capture  # noqa: E402
 from tests.kernels.test_moe import _OpLog, _record_launches  # noqa: E402
@@ -59,7 +60,12 @@ def bitwise_dequantize(weight: Fp8Weight) -> torch.Tensor:
     e, m = ((codes >> 3) & 0xF).double(), (codes & 7).double()
     values = torch.where(e > 0, (1 + m / 8) * 2.0 ** (e - 7), m / 8 * 2.0 ** -6)
     values = values * (1.0 - 2.0 * (codes >> 7).double())
-    return (values * weight.row_scale.cpu().double()).to(torch.float32)
+    scale = weight.scale.cpu().double()
+    if weight.block is not None:
+        (block_n, block_k), (out, inp) = weight.block, codes.shape[-2:]
+        scale = scale.repeat_interleave(block_n, dim=-2)[..., :out, :]
+        scale = scale.repeat_interleave(block_k, dim=-1)[..., :inp]
+    return (values * scale).to(torch.float32)
 
 
 def make_experts(num_experts: int, latent: int, inter: int, dtype: torch.dtype, seed: int
@@ -70,6 +76,15 @@ def make_experts(num_experts: int, latent: int, inter: int, dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(seed)
     norm = (1 + 0.2 * torch.randn(num_experts, latent, generator=gen)).to(DEVICE, dtype)
     return gate_up, down, norm
+
+
+def block_scaled(weight: Fp8Weight, block: tuple[int, int], seed: int) -> Fp8Weight:
+    """The same E4M3 values with a scale per block of rows x inputs (of many octaves)."""
+    out, inp = weight.shape[-2:]
+    grid = (weight.shape[0], -(-out // block[0]), -(-inp // block[1]))
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.empty(grid).uniform_(-4, 2, generator=gen)) / 64 / inp ** 0.5
+    return Fp8Weight(weight.weight, scale.to(DEVICE), block)
 
 
 def activations(num_tokens: int, latent: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -94,10 +109,13 @@ def test_fp8_weight_checks() -> None:
     weight = torch.zeros(2, 4, 8).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="weight"):
         Fp8Weight(weight.view(torch.uint8), torch.ones(2, 4, 1))
-    with pytest.raises(ValueError, match="row_scale"):
+    with pytest.raises(ValueError, match="scale"):
         Fp8Weight(weight, torch.ones(2, 4))
-    with pytest.raises(ValueError, match="row_scale"):
+    with pytest.raises(ValueError, match="scale"):
         Fp8Weight(weight, torch.ones(2, 4, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"scale must be float32 \[2, 2, 1\]"):
+        Fp8Weight(weight, torch.ones(2, 4, 1), block=(2, 8))
+    assert Fp8Weight(weight, torch.ones(2, 2, 1), block=(3, 8)).block == (3, 8)
 
 
 @triton.jit
@@ -122,7 +140,7 @@ def test_kernel_weight_tile_is_the_twins(dtype: torch.dtype) -> None:
     scale = torch.exp2(torch.linspace(low, high, 32))[:, None]
     fp8 = Fp8Weight(weight.to(DEVICE), scale.to(DEVICE))
     out = torch.empty(256, 32, dtype=dtype, device=DEVICE)
-    _tile_kernel[(1,)](fp8.weight_bytes, fp8.row_scale, out, K=256, N=32)
+    _tile_kernel[(1,)](fp8.weight_bytes, fp8.scale, out, K=256, N=32)
     assert torch.equal(out, fp8.dequantize().to(dtype).t())
 
 
@@ -163,6 +181,27 @@ def test_fused_experts_match_twin(dtype: torch.dtype, norm: bool, num_tokens: in
                                        one_pair_per_block=mode)
         assert out.dtype == dtype
         assert_close(out, twin, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(("block", "latent", "inter"), [((16, 32), 96, 64), ((32, 16), 40, 24)])
+def test_block_scaled_experts_match_twin(dtype, block, latent, inter) -> None:
+    """128 x 128 blocks in small: K tiles shrink to the scale block, the up rows' blocks
+    follow the gate rows', widths no block divides; both modes, decode and prefill tiles."""
+    gate_up, down, norm = make_experts(8, latent, inter, dtype, seed=3)
+    gate_up, down = block_scaled(gate_up, block, 4), block_scaled(down, block, 5)
+    for tokens, top_k in ((1, 4), (40, 2)):
+        weights, ids = routing(tokens, 8, top_k, seed=tokens)
+        x = activations(tokens, latent, dtype, tokens)
+        twin = fused_experts_torch(x, weights, ids, gate_up, down, norm, 1e-6)
+        dense = fused_experts_torch(x, weights, ids,
+                                    bitwise_dequantize(gate_up).to(DEVICE, dtype),
+                                    bitwise_dequantize(down).to(DEVICE, dtype), norm, 1e-6)
+        assert torch.equal(twin, dense)
+        for mode in (True, False):
+            out = moe_triton.fused_experts(x, weights, ids, gate_up, down, norm, 1e-6,
+                                           one_pair_per_block=mode)
+            assert_close(out, twin, dtype)
 
 
 def test_fused_experts_mixed_formats_and_prefill_tiles() -> None:
@@ -216,8 +255,8 @@ def test_cuda_graph_replays() -> None:
 
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_moe_method_hands_stored_weights_to_the_kernel(strategy: str) -> None:
-    """Per-tensor and per-channel experts reach the experts kernel as `Fp8Weight`s with the
-    same output as the dequantize-then-multiply path; block-scaled ones stay dequantized."""
+    """Per-tensor, per-channel and block-scaled experts reach the experts kernel as
+    `Fp8Weight`s with the same output as the dequantize-then-multiply path."""
     num_experts, latent, inter, dtype = 4, 32, 16, torch.bfloat16
     scheme = Fp8Scheme(strategy, (8, 8) if strategy == "block" else None)
     method = Fp8MoEMethod(scheme)
@@ -244,8 +283,11 @@ def test_moe_method_hands_stored_weights_to_the_kernel(strategy: str) -> None:
     out = method.apply(layer, x, weights, ids)
     expected = WeightOnlyMoEMethod.apply(method, layer, x, weights, ids)
     assert torch.equal(out, expected)
-    stored = strategy != "block"
-    assert all(isinstance(w, Fp8Weight) == stored for w in received[:2])
-    if stored:
-        assert received[0] is layer.fp8["gate_up"] and received[1] is layer.fp8["down"]
-        assert torch.equal(method.dequantized(layer, "down"), layer.fp8["down"].dequantize())
+    assert received[0] is layer.fp8["gate_up"] and received[1] is layer.fp8["down"]
+    assert torch.equal(method.dequantized(layer, "down"), layer.fp8["down"].dequantize())
+    # The linear layers' dequantization of the same tensors agrees (blocks too).
+    weight = getattr(layer, expert_param("down", "weight"))
+    scale = getattr(layer, expert_param("down", method.scheme.scale_name))
+    if strategy != "tensor":
+        assert torch.equal(layer.fp8["down"].dequantize(), dequantize(weight, scale, scheme))
+    assert layer.fp8["down"].block == ((8, 8) if strategy == "block" else None)

@@ -521,18 +521,21 @@ for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
     for fmt, block_m, (block_n, block_k, num_warps, num_stages) in (
             ("fp4", 16, decode_tile), ("fp4", prefill.block_m, prefill_tile),
             ("fp8", 16, decode_tile), ("fp8", prefill.block_m, prefill_tile_fp8),
+            ("fp8-block", 16, decode_tile), ("fp8-block", prefill.block_m, prefill_tile_fp8),
             ("dense", 16, decode_tile)):
-        fp4, quantized = fmt == "fp4", fmt != "dense"
+        fp4, quantized, blocks = fmt == "fp4", fmt != "dense", fmt == "fp8-block"
         weight = "*u8" if quantized else "*bf16"
-        pointers = dict(io, w_ptr=weight, scales_ptr="*u8" if fp4 else weight,
-                        row_factor_ptr="*fp32" if quantized else weight,
+        pointers = dict(io, w_ptr=weight, scales_ptr="*u8" if fp4 else "*fp32" if blocks
+                        else weight, row_factor_ptr="*fp32" if quantized else weight,
                         sorted_pairs_ptr="*i64", block_expert_ptr="*i64")
         compile_for_hopper(
             kernel, pointers,
-            dict(LATENT=1024, INTER=640, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                 PRECISION="tf32", WIDEN=False, ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4,
-                 FP8=fmt == "fp8", SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
-                 HAS_ROW_FACTOR=quantized, GEMV=fp4 and block_m == 16),
+            dict(LATENT=1024, INTER=640, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=min(block_k, 128), PRECISION="tf32", WIDEN=False,
+                 ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4, FP8=fmt.startswith("fp8"),
+                 SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
+                 HAS_ROW_FACTOR=quantized and not blocks, GEMV=fp4 and block_m == 16,
+                 FP8_BLOCK_N=128 if blocks else 0, FP8_BLOCK_K=128 if blocks else 0),
             UNIT, num_warps, num_stages)
 print("compiled")
 """
@@ -540,6 +543,6 @@ print("compiled")
 
 def test_kernels_compile_for_hopper() -> None:
     """The linear kernel (NVFP4 decode, MXFP4 at 64 rows), the one-row GEMV and the fused
-    experts' GEMMs (FP4 and FP8 at decode and prefill tiles, dense at decode) compile for
-    sm_90 with the tiles the launchers pick."""
+    experts' GEMMs (FP4, FP8 with row and with block scales at decode and prefill tiles,
+    dense at decode) compile for sm_90 with the tiles the launchers pick."""
     assert_script_compiles(_COMPILE_FOR_HOPPER)
