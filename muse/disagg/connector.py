@@ -97,15 +97,22 @@ class ConnectorLayerHooks:
         self.connector.save_kv_layer(position, kv_cache, meta)
 
 
+def class_in_module(module_path: str, name: str, base: type, field: str) -> type:
+    """The class `name` of the module `module_path` (a connector of one's own), which must
+    derive from `base`; `field` names the config field that named it, for the error."""
+    cls = getattr(importlib.import_module(module_path), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        article = "an" if base.__name__[0] in "AEIOU" else "a"
+        raise ValueError(f"`{field}` {name!r} is not {article} {base.__name__} class of "
+                         f"{module_path}")
+    return cls
+
+
 def load_connector(kv: EngineKV, config: KVTransferConfig) -> KVConnector:
     """The connector `config` names, built for this engine's KV."""
     if config.kv_connector_module_path is not None:
-        module = importlib.import_module(config.kv_connector_module_path)
-        cls = getattr(module, config.kv_connector, None)
-        if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
-            raise ValueError(f"`kv_connector` {config.kv_connector!r} is not a KVConnector "
-                             f"class of {config.kv_connector_module_path}")
-        return cls(kv, config)
+        return class_in_module(config.kv_connector_module_path, config.kv_connector,
+                               KVConnector, "kv_connector")(kv, config)
     if config.kv_connector == "SharedStorageConnector":
         from muse.disagg.shared_storage import SharedStorageConnector
 

@@ -23,7 +23,6 @@ from paths, so instances on other machines with a copy of the checkpoint share i
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from muse.disagg.connector import class_in_module
 from muse.json_options import json_object
 
 logger = logging.getLogger("muse.disagg")
@@ -133,12 +133,8 @@ class ECSharedStorageConnector(ECConnector):
 
 def load_ec_connector(config: ECTransferConfig, model_id: str) -> ECConnector:
     if config.ec_connector_module_path is not None:
-        module = importlib.import_module(config.ec_connector_module_path)
-        cls = getattr(module, config.ec_connector, None)
-        if not (isinstance(cls, type) and issubclass(cls, ECConnector)):
-            raise ValueError(f"`ec_connector` {config.ec_connector!r} is not an ECConnector "
-                             f"class of {config.ec_connector_module_path}")
-        return cls(config, model_id)
+        return class_in_module(config.ec_connector_module_path, config.ec_connector,
+                               ECConnector, "ec_connector")(config, model_id)
     return ECSharedStorageConnector(config, model_id)
 
 

@@ -52,8 +52,9 @@ class KVBlocks:
     """The blocks of the layers `layers` of `kv_caches`: one launch a direction on a GPU
     (or with `use_triton`), the twins elsewhere.
 
-    `groups` (sizes of consecutive runs of `layers`, summing to its length) lets
-    `gather_groups` read every group's rows in that one launch, each group's contiguous."""
+    `groups` (sizes of consecutive runs of `layers`, summing to its length; one group by
+    default) splits the rows `gather_groups` reads, in that one launch, each group's
+    contiguous."""
 
     def __init__(self, kv_caches: KVCaches, layers: list[int],
                  use_triton: bool | None = None, groups: list[int] | None = None) -> None:
@@ -84,17 +85,6 @@ class KVBlocks:
             sizes = [2 * size for size in self.groups for _ in range(2 * size)]
             self.group_table = (torch.tensor(starts, dtype=torch.int64, device=self.device),
                                 torch.tensor(sizes, dtype=torch.int64, device=self.device))
-
-    def gather(self, blocks: list[int]) -> torch.Tensor:
-        """[len(blocks), layers, 2, block_size, kv_heads, head_dim] on the caches' device."""
-        if not (self.use_triton and self.layers and blocks):
-            return gather_blocks(self.kv_caches, self.layers, blocks)
-        from muse.kernels.kv_blocks_triton import copy_blocks
-
-        rows = torch.empty((len(blocks), *self.row_shape), dtype=self.dtype, device=self.device)
-        copy_blocks(self.table, to_device(blocks, self.device), rows.view(torch.int32),
-                    self.words, to_rows=True)
-        return rows
 
     def gather_groups(self, blocks: list[int]) -> list[torch.Tensor]:
         """Each group's [len(blocks), its layers, 2, block_size, kv_heads, head_dim] on the

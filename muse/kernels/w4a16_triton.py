@@ -103,6 +103,28 @@ def split_for(programs: int, k_blocks: int) -> int:
 
 
 @triton.jit
+def folded_scales(scale, SCALE_E8M0: tl.constexpr):
+    """Scale bytes (E4M3, or E8M0 exponents) -> float32 scales times 2^14, the factor that
+    `e2m1_halves`' float16 values lack."""
+    if SCALE_E8M0:
+        # 2^(s - 127) * 2^14 built as a float32 exponent field, exactly (scales above 2^113,
+        # weights beyond 1e34, would overflow to inf); 255 is NaN.
+        exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
+        folded = (exponent << 23).to(tl.float32, bitcast=True)
+        return tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
+    return scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+
+
+@triton.jit
+def e2m1_halves(packed):
+    """Packed bytes (widened to uint16) -> (low nibbles, high nibbles) as float16 values
+    2^-14 times their E2M1 values: each nibble's sign and three value bits moved into place."""
+    even = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+    odd = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+    return even.to(tl.float16, bitcast=True), odd.to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def fp4_weight_tiles(packed_ptr, scales_ptr, rows, row_ok, row_factor, k_start,
                      stride_pn, stride_pk, stride_sn, stride_sk,
                      K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -120,23 +142,15 @@ def fp4_weight_tiles(packed_ptr, scales_ptr, rows, row_ok, row_factor, k_start,
     HALF: tl.constexpr = SCALE_BLOCK // 2  # packed bytes per scale
     groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
     mask = (groups < K // SCALE_BLOCK)[:, None] & row_ok[None, :]
-    scale = tl.load(scales_ptr + rows[None, :] * stride_sn + groups[:, None] * stride_sk,
-                    mask=mask, other=0)
-    if SCALE_E8M0:
-        # 2^(s - 127) * 2^14 built as a float32 exponent field, exactly (scales above 2^113,
-        # weights beyond 1e34, would overflow to inf); 255 is NaN.
-        exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
-        folded = (exponent << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
-    else:
-        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+    scale = folded_scales(tl.load(scales_ptr + rows[None, :] * stride_sn
+                                  + groups[:, None] * stride_sk, mask=mask, other=0),
+                          SCALE_E8M0)
     byte_cols = groups[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
     packed = tl.load(packed_ptr + rows[None, None, :] * stride_pn + byte_cols * stride_pk,
                      mask=mask[:, None, :], other=0).to(tl.uint16)
-    even_bits = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
-    odd_bits = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
-    even = even_bits.to(tl.float16, bitcast=True).to(tl.float32) * scale[:, None, :]
-    odd = odd_bits.to(tl.float16, bitcast=True).to(tl.float32) * scale[:, None, :]
+    even, odd = e2m1_halves(packed)
+    even = even.to(tl.float32) * scale[:, None, :]
+    odd = odd.to(tl.float32) * scale[:, None, :]
     if HAS_ROW_FACTOR:
         even = even * row_factor[None, None, :]
         odd = odd * row_factor[None, None, :]
@@ -240,7 +254,7 @@ def fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, rows, row_ok, k_star
     the steps and the blocks by the caller, who then applies the row factor).
 
     A decode GEMV reads each weight once, so the work per weight bounds it: each nibble
-    becomes a float16 (two integer ops and a bitcast, as in `fp4_weight_tiles`), is widened
+    becomes a float16 (`e2m1_halves`: two integer ops and a bitcast), is widened
     and multiplied into the products with x; the scale costs one multiply per block. x_ptr
     points at the activation row (inputs at stride_xk)."""
     GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
@@ -248,19 +262,13 @@ def fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, rows, row_ok, k_star
     groups = k_start // SCALE_BLOCK + tl.arange(0, GROUPS)
     group_ok = groups < K // SCALE_BLOCK
     mask = row_ok[:, None] & group_ok[None, :]
-    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + groups[None, :] * stride_sk,
-                    mask=mask, other=0)
-    if SCALE_E8M0:
-        exponent = tl.minimum(scale.to(tl.int32) + 14, 255)
-        folded = (exponent << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(scale.to(tl.int32) == 255, float("nan"), folded)
-    else:
-        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FOLD
+    scale = folded_scales(tl.load(scales_ptr + rows[:, None] * stride_sn
+                                  + groups[None, :] * stride_sk, mask=mask, other=0),
+                          SCALE_E8M0)
     byte_cols = groups[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
     packed = tl.load(packed_ptr + rows[:, None, None] * stride_pn + byte_cols * stride_pk,
                      mask=mask[:, :, None], other=0).to(tl.uint16)
-    even = (((packed & 0x8) << 12) | ((packed & 0x7) << 9)).to(tl.float16, bitcast=True)
-    odd = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True)
+    even, odd = e2m1_halves(packed)
     # x's even and odd inputs of each scale block, [GROUPS, HALF] each.
     ks = groups[:, None] * SCALE_BLOCK + 2 * tl.arange(0, HALF)[None, :]
     x_even = tl.load(x_ptr + ks * stride_xk, mask=group_ok[:, None], other=0.0)

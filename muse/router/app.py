@@ -125,38 +125,36 @@ def build_router(prefill: list[str], decode: list[str], routing: str = "round_ro
     app = FastAPI(title="muse router", lifespan=lifespan)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
+    async def first_answer(pool: Pool, path: str, body: dict[str, Any]
+                           ) -> httpx.Response | None:
+        """The first reply below 500 from the pool's instances in its order (those that cannot
+        be reached or fail are skipped); None when none answers."""
+        for url in await pool.order(client):
+            try:
+                reply = await client.post(f"{url}{path}", json=body, headers=headers)
+            except httpx.HTTPError:
+                continue
+            if reply.status_code < 500:
+                return reply
+        return None
+
+    def passed_on(reply: httpx.Response) -> Response:
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
     async def run_encode(body: dict[str, Any]) -> Response | None:
         """Have an encoder instance encode the request's media; a 4xx reply to give the
         client (bad media), or None to go on (encoded, or no encoder instance could)."""
-        for url in await encode_pool.order(client):
-            try:
-                reply = await client.post(f"{url}/v1/chat/completions",
-                                          json=one_token_body(body), headers=headers)
-            except httpx.HTTPError:
-                continue
-            if reply.status_code >= 500:
-                continue
-            if reply.status_code >= 400:
-                return Response(reply.content, reply.status_code,
-                                media_type="application/json")
-            return None
-        return None
+        reply = await first_answer(encode_pool, "/v1/chat/completions", one_token_body(body))
+        return passed_on(reply) if reply is not None and reply.status_code >= 400 else None
 
     async def run_prefill(path: str, body: dict[str, Any]) -> dict[str, Any] | Response:
         """The prefill reply's `kv_transfer_params`, or the response to give the client."""
-        for url in await prefill_pool.order(client):
-            try:
-                reply = await client.post(f"{url}{path}", json=prefill_body(body),
-                                          headers=headers)
-            except httpx.HTTPError:
-                continue
-            if reply.status_code >= 500:
-                continue
-            if reply.status_code >= 400:
-                return Response(reply.content, reply.status_code,
-                                media_type="application/json")
-            return reply.json().get("kv_transfer_params") or {}
-        raise NoInstance("no prefill instance could take the request")
+        reply = await first_answer(prefill_pool, path, prefill_body(body))
+        if reply is None:
+            raise NoInstance("no prefill instance could take the request")
+        if reply.status_code >= 400:
+            return passed_on(reply)
+        return reply.json().get("kv_transfer_params") or {}
 
     async def run_decode(path: str, body: dict[str, Any]) -> Response:
         for url in await decode_pool.order(client):

@@ -28,7 +28,7 @@ def test_gather_and_put_match_the_twins(dtype, heads, dim, layers):
     kv = caches(dtype, heads, dim)
     blocks = KVBlocks(kv, layers, use_triton=True)
     wanted = [7, 0, 11, 7, 3]
-    got, expected = blocks.gather(wanted), gather_blocks(kv, layers, wanted)
+    (got,), expected = blocks.gather_groups(wanted), gather_blocks(kv, layers, wanted)
     assert got.shape == expected.shape == (5, len(layers), 2, 4, heads, dim)
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
@@ -48,7 +48,7 @@ def test_a_kind_whose_caches_hold_another_number_of_blocks_than_the_first_layer(
     sliding, full = caches(torch.bfloat16, 2, 32, blocks=6), caches(torch.bfloat16, 2, 32, seed=2)
     kv = [sliding[0], full[1], sliding[2], full[3], sliding[4]]
     blocks = KVBlocks(kv, [1, 3], use_triton=True)
-    assert torch.equal(blocks.gather([11, 2]), gather_blocks(kv, [1, 3], [11, 2]))
+    assert torch.equal(blocks.gather_groups([11, 2])[0], gather_blocks(kv, [1, 3], [11, 2]))
 
 
 @pytest.mark.parametrize("groups", [[2, 1], [1, 1, 1], [3]])
@@ -70,7 +70,7 @@ def test_gather_groups_in_one_launch_matches_the_twins(groups):
 def test_no_blocks_and_bad_caches():
     kv = caches(torch.float32, 1, 16)
     blocks = KVBlocks(kv, [0, 1], use_triton=True)
-    assert blocks.gather([]).shape == (0, 2, 2, 4, 1, 16)
+    assert blocks.gather_groups([])[0].shape == (0, 2, 2, 4, 1, 16)
     blocks.put([], torch.empty(0, 2, 2, 4, 1, 16, device=DEVICE))
     strided = [(k[:, :2], v[:, :2]) for k, v in kv]
     with pytest.raises(ValueError, match="contiguous"):
