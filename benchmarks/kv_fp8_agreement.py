@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.options import resolve_device  # noqa: E402
+from benchmarks.options import parse_list, resolve_device  # noqa: E402
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from muse import LLM, SamplingParams  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
@@ -76,6 +76,9 @@ def prompt_sets() -> dict[str, tuple[str, list]]:
             "fp8-test": ("chat", chats(FP8_TEST_PROMPTS))}
 
 
+SETS = ("heldout", "calibration", "fp8-test")
+
+
 def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
     same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     total = sum(max(len(w), len(g)) for w, g in zip(want, got))
@@ -88,11 +91,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=str(SHIPPED_CHECKPOINT))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sets", default=",".join(SETS), type=lambda text: parse_list(text, str),
+                        help=f"comma separated, of {', '.join(SETS)}")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
+    if unknown := set(args.sets) - set(SETS):
+        parser.error(f"--sets: unknown {sorted(unknown)}; choose among {', '.join(SETS)}")
     device = resolve_device(args.device)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    sets = prompt_sets()
+    sets = {name: prompts for name, prompts in prompt_sets().items() if name in args.sets}
     replies: dict[str, dict[str, list[list[int]]]] = {}
     for name, engine_args in CONFIGS:
         llm = LLM(args.model, device=str(device), kv_cache_memory_bytes=64 * 2**20,

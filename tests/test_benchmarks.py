@@ -20,7 +20,7 @@ from benchmarks.shapes import STAND_IN, hf_config, transformers_text_config
 from muse.checkpoint.hf_configs import qwen3_config
 from muse.config import FULL
 from muse.info import text_parameters
-from muse.presets import PRESETS, get_preset
+from muse.presets import PRESETS, SHIPPED_CHECKPOINT, get_preset
 
 TINY = ["--shape", "muse-spark-tiny", "--device", "cpu", "--dtype", "float32"]
 
@@ -278,3 +278,23 @@ def test_kv_offload_copies_json(tmp_path):
         assert positive(row["bytes"])
         for phase in ("save", "load"):
             assert positive(row[phase]["host_ms"]) and row[phase]["compute_ms"] is None
+
+
+def test_kv_fp8_agreement_counts_parted_replies_as_misses():
+    from benchmarks.kv_fp8_agreement import agreement
+    got = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4, 7], [5, 6]])
+    assert (got["same_tokens"], got["tokens"], got["identical_replies"]) == (5, 7, 1)
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="no shipped checkpoint in this tree")
+def test_kv_fp8_agreement_json(tmp_path):
+    from benchmarks import kv_fp8_agreement
+    out = tmp_path / "agreement.json"
+    record = kv_fp8_agreement.main(["--sets", "fp8-test", "--max-tokens", "4", "--device",
+                                    "cpu", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == record["results"]
+    rows = record["results"]["fp8-test"]
+    assert set(rows) == {"fp8", "fp8-calculated", "float32"}
+    # The arithmetic questions' first tokens are confident: every variant keeps some.
+    assert all(0 < row["same_tokens"] <= row["tokens"] for row in rows.values())
