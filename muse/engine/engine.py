@@ -36,7 +36,8 @@ from muse.engine.executor import (Executor, MultiprocExecutor, UniExecutor, Work
                                   WorkerProcess, free_init_method, stop_workers)
 from muse.engine.runner import LaunchedStep, ModelRunner, PreparedStep, allocate_kv_caches
 from muse.engine.worker import ModelWorker
-from muse.engine.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
+from muse.engine.sampling_params import (InvalidRequestError, SamplingParams, check_output_room,
+                                         validate_prompt)
 from muse.engine.scheduler import Scheduler
 from muse.model.decoder import EngineModel
 from muse.multimodal.encoder_cache import EncoderCache, encode_with_cache
@@ -554,6 +555,8 @@ class EngineCore:
             prompt_token_ids, media = self._process_media(prompt_token_ids, multi_modal_data)
         validate_prompt(prompt_token_ids, self.config.vocab_size, self.max_model_len)
         params.validate(self.config.vocab_size)
+        if media:
+            check_output_room(prompt_token_ids, params, self.max_model_len)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")

@@ -137,3 +137,18 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
         raise InvalidRequestError(
             f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
             f"length is {max_model_len} tokens, prompt and output together", param="prompt")
+
+
+def check_output_room(prompt_token_ids: list[int], params: SamplingParams,
+                      max_model_len: int) -> None:
+    """Refuse a `max_tokens` (or `min_tokens`) the context cannot hold after the prompt.
+    The server checks text prompts itself; a prompt with media is only known at its full
+    length once the engine has expanded the placeholders."""
+    room = max_model_len - len(prompt_token_ids)
+    for field in ("max_tokens", "min_tokens"):
+        wanted = getattr(params, field)
+        if wanted is not None and wanted > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {len(prompt_token_ids)} with its media expanded and {field} asks for "
+                f"{wanted}", param=field)

@@ -256,6 +256,10 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = _params(request, prompt, max_tokens, ready, options,
                      (request.top_logprobs or 0) if request.logprobs else None)
+    if media_parts and max_tokens is None:
+        # The rest of the context after the prompt with its media expanded, which only the
+        # engine knows (it also refuses a max_tokens that does not fit there).
+        params.max_tokens = None
     reasoning = options.reasoning_parser == "muse"
     if structured is not None and reasoning:
         # As in vLLM, the grammar constrains the reply after its reasoning block (from the

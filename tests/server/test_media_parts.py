@@ -67,8 +67,9 @@ def image_part(url: str) -> dict:
 
 
 def ask(client: openai.OpenAI, *parts: dict, text: str = "What is this?", **fields):
+    fields.setdefault("max_tokens", MAX_TOKENS)
     return client.chat.completions.create(
-        model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
+        model=MODEL, temperature=0.0,
         messages=[{"role": "user", "content": [{"type": "text", "text": text}, *parts]}],
         **fields)
 
@@ -185,6 +186,28 @@ def test_media_past_the_context_is_a_400(client):
         ask(client, image_part(data_url(png_bytes(8, (1000, 1000)), "image/png")))
     assert error.value.body["param"] == "messages"
     assert "maximum context length is 1024" in error.value.body["message"]
+
+
+def test_max_tokens_is_checked_against_the_prompt_with_its_media(client):
+    image = image_part(data_url(png_bytes(9), "image/png"))
+    prompt_tokens = text_prompt_tokens(client) + IMAGE_PROMPT_TOKENS
+    room = 1024 - prompt_tokens
+    # Room enough after the text alone, not after the image's tokens.
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, image, max_tokens=room + 1)
+    assert error.value.body["param"] == "max_tokens"
+    assert f"the prompt has {prompt_tokens} with its media expanded" in \
+        error.value.body["message"]
+    assert ask(client, image, max_tokens=room).usage.prompt_tokens == prompt_tokens
+
+
+def test_without_max_tokens_a_media_reply_may_fill_the_context(client):
+    image = image_part(data_url(png_bytes(10), "image/png"))
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}])
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 1024
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_hosts_outside_the_allowed_domains_are_refused(client, media_host):
