@@ -145,10 +145,10 @@ def check_output_room(prompt_token_ids: list[int], params: SamplingParams,
     The server checks text prompts itself; a prompt with media is only known at its full
     length once the engine has expanded the placeholders."""
     room = max_model_len - len(prompt_token_ids)
-    for field in ("max_tokens", "min_tokens"):
-        wanted = getattr(params, field)
+    for name in ("max_tokens", "min_tokens"):
+        wanted = getattr(params, name)
         if wanted is not None and wanted > room:
             raise InvalidRequestError(
                 f"this model's maximum context length is {max_model_len} tokens; the prompt "
-                f"has {len(prompt_token_ids)} with its media expanded and {field} asks for "
-                f"{wanted}", param=field)
+                f"has {len(prompt_token_ids)} with its media expanded and {name} asks for "
+                f"{wanted}", param=name)
