@@ -9,6 +9,8 @@ CUDA graphs when both are asked for (`--modes`). Writes the table as JSON with `
     python benchmarks/profile_step.py --shape qwen3-30b-a3b-shape --batch 1 --context 1024
     python benchmarks/profile_step.py --shape qwen3-30b-a3b-shape --phase prefill \
         --context 8192 --modes graphs
+    python benchmarks/profile_step.py --shape muse-spark-15b-a2b --modes graphs \
+        --quantization nvfp4-w4a16
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from benchmarks.options import resolve_device  # noqa: E402
 from benchmarks.report import environment, write_json  # noqa: E402
 from muse.presets import PRESETS  # noqa: E402
 from muse.engine.sampling_params import SamplingParams  # noqa: E402
+from muse.quantization import ONLINE_FORMATS  # noqa: E402
 
 
 def _steps_until_done(llm, steps: int | None = None) -> tuple[float, int]:
@@ -71,10 +74,12 @@ def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
 
 
 def profile(shape: str, phase: str, batch: int, context: int, steps: int,
-            enforce_eager: bool, top: int, device: torch.device) -> dict:
+            enforce_eager: bool, top: int, device: torch.device,
+            quantization: str | None = None) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     llm, _ = build_muse(shape, device, dtype, enforce_eager=enforce_eager,
-                        max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85)
+                        max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85,
+                        quantization=quantization)
     vocab = llm.engine.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     if phase == "decode":
@@ -111,14 +116,15 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
     total_us = sum(k["us_per_step"] for k in kernels)
     unit = "step" if phase == "decode" else "prefill"
     elapsed = seconds / per
-    print(f"{shape} {phase} batch {batch} context {context} "
+    print(f"{shape} {quantization or dtype} {phase} batch {batch} context {context} "
           f"{'eager' if enforce_eager else 'graphs'}: {elapsed * 1e3:.3f} ms per {unit} "
           f"({tokens / elapsed:.1f} tokens/s), kernels {total_us / 1e3:.3f} ms per {unit}")
     for k in kernels[:top]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     del llm
     free_memory(device)
-    return {"shape": shape, "phase": phase, "batch": batch, "context": context,
+    return {"shape": shape, "quantization": quantization, "phase": phase, "batch": batch,
+            "context": context,
             "eager": enforce_eager, "step_ms": elapsed * 1e3, "kernel_ms": total_us / 1e3,
             "kernels": kernels[:top]}
 
@@ -135,11 +141,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", default="graphs,eager",
                         help="comma-separated: graphs, eager")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--quantization", default=None, choices=ONLINE_FORMATS,
+                        help="quantize the random weights as they load (default: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     runs = [profile(args.shape, args.phase, args.batch, args.context, args.steps,
-                    mode == "eager", args.top, device) for mode in args.modes.split(",")]
+                    mode == "eager", args.top, device, args.quantization)
+            for mode in args.modes.split(",")]
     record = {"environment": environment(device), "runs": runs}
     write_json(args.out, record)
     return record

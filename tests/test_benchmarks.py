@@ -168,6 +168,17 @@ def test_profile_step_runs_on_cpu(phase, tmp_path):
     assert json.loads(out.read_text())["runs"][0]["context"] == 24
 
 
+def test_profile_step_quantizes_the_weights(tmp_path):
+    record = profile_step.main(["--shape", "muse-spark-tiny", "--device", "cpu", "--context",
+                                "24", "--steps", "2", "--modes", "eager", "--top", "50",
+                                "--quantization", "nvfp4-w4a16"])
+    (run,) = record["runs"]
+    assert run["quantization"] == "nvfp4-w4a16"
+    # The packed FP4 weights are unpacked in the step (on the CPU: the torch twin's ops).
+    assert any("bitwise" in k["name"] or "__rshift__" in k["name"] or "__and__" in k["name"]
+               for k in run["kernels"]), [k["name"] for k in run["kernels"]]
+
+
 def test_spec_decode_json(tmp_path):
     """The shipped model with n-gram drafts (no drafter needed): acceptance per family and the
     three speed modes; greedy speculation gives the plain engine's tokens."""
