@@ -309,3 +309,29 @@ def test_kv_fp8_agreement_json(tmp_path):
     assert set(rows) == {"fp8", "fp8-calculated", "float32"}
     # The arithmetic questions' first tokens are confident: every variant keeps some.
     assert all(0 < row["same_tokens"] <= row["tokens"] for row in rows.values())
+
+
+def test_parallel_check_compares_up_to_the_first_near_tie():
+    from benchmarks.parallel_check import compare
+    gaps = [[1.0, 1.0, 1e-4, 1.0], [1.0, 1.0]]
+    # A difference at or after a near tie is allowed; the tokens before it are compared.
+    result = compare([[1, 2, 3, 4], [5, 6]], gaps, [[1, 2, 9, 9], [5, 6]], min_gap=1e-3)
+    assert result["equal"] and result["compared_tokens"] == 4 and result["cut_by_near_ties"] == 1
+    # One before it fails the layout, and says where.
+    result = compare([[1, 2, 3, 4], [5, 6]], gaps, [[1, 2, 3, 4], [5, 7]], min_gap=1e-3)
+    assert not result["equal"]
+    assert result["first_difference"] == {"prompt": 1, "position": 1, "want": 6, "got": 7,
+                                          "gap": 1.0}
+    assert not compare([[1, 2]], [[1.0, 1.0]], [[1]], min_gap=1e-3)["equal"]
+
+
+def test_parallel_check_runs_two_ranks_on_the_cpu(tmp_path):
+    from benchmarks import parallel_check
+    out = tmp_path / "parallel.json"
+    record = parallel_check.main([
+        "--shape", "muse-spark-tiny", "--device", "cpu", "--layouts", "tp2",
+        "--num-prompts", "3", "--prompt-tokens", "8:40", "--max-tokens", "6",
+        "--init-std", "0.1", "--out", str(out)])
+    result = record["results"]["tp2"]
+    assert result["equal"] and result["world_size"] == 2 and result["compared_tokens"] > 0
+    assert json.loads(out.read_text())["results"]["tp2"]["equal"]
