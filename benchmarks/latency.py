@@ -41,6 +41,8 @@ from benchmarks.engines import (
 from benchmarks.options import (
     add_common_args,
     check_common_args,
+    num_gpus,
+    parallel_engine_args,
     parse_list,
     resolve_device,
     torch_dtype,
@@ -112,7 +114,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: Roofline) -> dict
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        overlap_schedule=not args.disable_overlap_schedule)
+        overlap_schedule=not args.disable_overlap_schedule, **parallel_engine_args(args))
     first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     full = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
@@ -239,14 +241,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = text_config(args.shape)
     stand_in, _ = transformers_text_config(text)
     machine = Machine(args.mem_bandwidth, args.matmul_flops)
+    # A layout over several GPUs reads and multiplies on all of them at once.
+    gpus = num_gpus(args)
+    muse_machine = Machine(args.mem_bandwidth * gpus, args.matmul_flops * gpus)
     element = DTYPE_BYTES[args.dtype]
-    rooflines = {"muse": Roofline(text, machine, element),
+    rooflines = {"muse": Roofline(text, muse_machine, element),
                  "transformers": Roofline(stand_in, machine, element)}
     texts = {"muse": text, "transformers": text}
     runners = {"muse": run_muse, "transformers": run_transformers}
     record: dict[str, Any] = {
         "benchmark": "latency", "environment": env, "config": vars(args),
-        "shape": shape_record(args.shape), "machine": machine.to_dict(),
+        "shape": shape_record(args.shape), "machine": machine.to_dict(), "gpus": gpus,
         "method": METHOD, "roofline_note": ROOFLINE_NOTE, "results": {}, "ratios": []}
     merge_previous(record, args.merge_from, args.engines)
     print(header("latency (batch 1)", args, env), flush=True)

@@ -37,6 +37,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                              "kept, and the ratios computed against them")
     add_roofline_args(parser)
     muse_group = add_muse_args(parser)
+    add_parallel_args(muse_group)
     muse_group.add_argument("--disable-overlap-schedule", action="store_true",
                             help="read each step back before launching the next")
     muse_group.add_argument("--detokenize", action="store_true",
@@ -77,6 +78,26 @@ def add_muse_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     muse_group.add_argument("--enforce-eager", action="store_true",
                             help="no CUDA graphs (where the engine has them)")
     return muse_group
+
+
+def add_parallel_args(group: argparse._ActionsContainer) -> None:
+    """The engine's parallel layout, with vLLM's flags (default: one GPU)."""
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-parallel-size", type=int, default=1)
+    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument("--enable-expert-parallel", action="store_true")
+
+
+def parallel_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+            "enable_expert_parallel": args.enable_expert_parallel}
+
+
+def num_gpus(args: argparse.Namespace) -> int:
+    """The GPUs the layout takes: the rooflines of its runs are that many GPUs'."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
 
 
 def check_common_args(args: argparse.Namespace) -> None:

@@ -31,7 +31,8 @@ from benchmarks.engines import (  # noqa: E402
     free_memory,
     synchronize,
 )
-from benchmarks.options import resolve_device  # noqa: E402
+from benchmarks.options import (add_parallel_args, parallel_engine_args,  # noqa: E402
+                                resolve_device)
 from benchmarks.report import environment, write_json  # noqa: E402
 from muse.presets import PRESETS  # noqa: E402
 from muse.engine.sampling_params import SamplingParams  # noqa: E402
@@ -75,11 +76,11 @@ def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
 
 def profile(shape: str, phase: str, batch: int, context: int, steps: int,
             enforce_eager: bool, top: int, device: torch.device,
-            quantization: str | None = None) -> dict:
+            quantization: str | None = None, parallel: dict | None = None) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     llm, _ = build_muse(shape, device, dtype, enforce_eager=enforce_eager,
                         max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85,
-                        quantization=quantization)
+                        quantization=quantization, **(parallel or {}))
     vocab = llm.engine.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     if phase == "decode":
@@ -123,7 +124,8 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     del llm
     free_memory(device)
-    return {"shape": shape, "quantization": quantization, "phase": phase, "batch": batch,
+    return {"shape": shape, "quantization": quantization, "parallel": parallel,
+            "phase": phase, "batch": batch,
             "context": context,
             "eager": enforce_eager, "step_ms": elapsed * 1e3, "kernel_ms": total_us / 1e3,
             "kernels": kernels[:top]}
@@ -144,10 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default=None, choices=ONLINE_FORMATS,
                         help="quantize the random weights as they load (default: none)")
     parser.add_argument("--out", default=None)
+    add_parallel_args(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     runs = [profile(args.shape, args.phase, args.batch, args.context, args.steps,
-                    mode == "eager", args.top, device, args.quantization)
+                    mode == "eager", args.top, device, args.quantization,
+                    parallel_engine_args(args))
             for mode in args.modes.split(",")]
     record = {"environment": environment(device), "runs": runs}
     write_json(args.out, record)

@@ -44,6 +44,8 @@ from benchmarks.engines import (
 from benchmarks.options import (
     add_common_args,
     check_common_args,
+    num_gpus,
+    parallel_engine_args,
     parse_list,
     parse_range,
     resolve_device,
@@ -122,7 +124,7 @@ def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: 
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        overlap_schedule=not args.disable_overlap_schedule)
+        overlap_schedule=not args.disable_overlap_schedule, **parallel_engine_args(args))
 
     def generate(batch: list[Request]) -> tuple[float, int]:
         prompts = [{"prompt_token_ids": p} for p, _ in batch]
@@ -247,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = text_config(args.shape)
     stand_in, _ = transformers_text_config(text)
     machine = Machine(args.mem_bandwidth, args.matmul_flops)
+    # A layout over several GPUs reads and multiplies on all of them at once.
+    gpus = num_gpus(args)
+    muse_machine = Machine(args.mem_bandwidth * gpus, args.matmul_flops * gpus)
     element = DTYPE_BYTES[args.dtype]
     requests = workload(args, text.vocab_size)
     # muse also runs the requests transformers runs (cheap), for a ratio on equal work.
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         and args.hf_max_requests < len(requests) else None
     record: dict[str, Any] = {
         "benchmark": "throughput", "environment": env, "config": vars(args),
-        "shape": shape_record(args.shape), "machine": machine.to_dict(),
+        "shape": shape_record(args.shape), "machine": machine.to_dict(), "gpus": gpus,
         "workload": {"num_requests": len(requests), "prompt_lens": args.prompt_lens,
                      "output_lens": args.output_lens, "seed": args.seed,
                      "prompt_tokens": sum(len(p) for p, _ in requests),
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         if engine == "muse":
             result = run_muse(args, device, requests, subset,
-                              Roofline(text, machine, element))
+                              Roofline(text, muse_machine, element))
         else:
             result = run_transformers(args, device, text, requests,
                                       Roofline(stand_in, machine, element))

@@ -335,3 +335,16 @@ def test_parallel_check_runs_two_ranks_on_the_cpu(tmp_path):
     result = record["results"]["tp2"]
     assert result["equal"] and result["world_size"] == 2 and result["compared_tokens"] > 0
     assert json.loads(out.read_text())["results"]["tp2"]["equal"]
+
+
+def test_latency_over_two_ranks_takes_two_gpus_rooflines(tmp_path):
+    args = [*TINY, "--engines", "muse", "--lengths", "16", "--decode-tokens", "4",
+            "--repeats", "1"]
+    one = latency.main(args)
+    two = latency.main([*args, "--tensor-parallel-size", "2"])
+    assert (one["gpus"], two["gpus"]) == (1, 2)
+    [row_one], [row_two] = (r["results"]["muse"]["rows"] for r in (one, two))
+    assert "error" not in row_two, row_two
+    assert two["results"]["muse"]["engine"]["engine_args"]["tensor_parallel_size"] == 2
+    assert row_two["roofline"]["decode_tok_s"] == pytest.approx(
+        2 * row_one["roofline"]["decode_tok_s"])
