@@ -348,3 +348,18 @@ def test_latency_over_two_ranks_takes_two_gpus_rooflines(tmp_path):
     assert two["results"]["muse"]["engine"]["engine_args"]["tensor_parallel_size"] == 2
     assert row_two["roofline"]["decode_tok_s"] == pytest.approx(
         2 * row_one["roofline"]["decode_tok_s"])
+
+
+def test_collectives_json(tmp_path):
+    from benchmarks import collectives
+    out = tmp_path / "collectives.json"
+    record = collectives.main(["--device", "cpu", "--shape", "muse-spark-tiny", "--world-sizes",
+                               "2", "--tokens", "1,4", "--repeats", "2", "--out", str(out)])
+    by_count = json.loads(out.read_text())["results"]["2"]
+    assert set(by_count) == {"1", "4"}
+    for ops in by_count.values():
+        assert set(ops) == set(collectives.OPS)
+        assert all(figures["us"] > 0 and figures["step_ms"] > 0 for figures in ops.values())
+    layers = record["layers"]
+    us = by_count["1"]["all_reduce"]["us"]
+    assert by_count["1"]["all_reduce"]["step_ms"] == pytest.approx(2 * layers * us / 1e3)
