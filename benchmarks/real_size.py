@@ -1,5 +1,6 @@
-"""Full-size Muse Spark Open decoder layers on one GPU: decode time per layer at several batch
-sizes and prefill time per token, each against its roofline.
+"""Full-size Muse Spark Open decoder layers on one GPU (or sharded over several: vLLM's
+parallel flags): decode time per layer at several batch sizes and prefill time per token,
+each against its roofline.
 
 The model is the real one's shape (hidden 8192, 64 / 8 heads of 128, latent 4096, 256 experts
 of width 4096, top-8, its vocabulary) cut to a few layers, alternating sliding and global as
@@ -17,6 +18,7 @@ matmul rate): decode reads the layer's dense weights, min(E, batch x k) experts 
 request's KV; prefill computes every token's active weights and its attention.
 
     python benchmarks/real_size.py --out results/real-size.json            # on the H200
+    python benchmarks/real_size.py --tensor-parallel-size 8 --enable-expert-parallel  # 8 GPUs
     python benchmarks/real_size.py --preset muse-spark-tiny --device cpu   # a smoke test
 """
 
@@ -28,46 +30,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
-import contextlib
-import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from benchmarks.engines import build_muse, free_memory, random_prompt, synchronize
+from benchmarks.options import add_parallel_args, num_gpus, parallel_engine_args
 from benchmarks.report import environment, write_json
 from benchmarks.roofline import (H200_BF16_MATMUL_FLOPS, H200_MEMORY_BANDWIDTH, Machine,
                                  ParameterBreakdown, attention_flops, kv_read_bytes)
 from muse import SamplingParams
-from muse.config import FULL, SLIDING, MuseSparkConfig
-from muse.presets import PRESETS, get_preset
+from muse.config import FULL, SLIDING, MuseSparkConfig, with_overrides
+from muse.presets import get_preset
 
 OPEN = "muse-spark-open-816b-a42b"
 
 
+def cut_overrides(layers: int) -> dict[str, Any]:
+    """`hf_overrides` that cut a preset to `layers` text layers, sliding and global in turn,
+    with no encoders (they play no part in text steps). Every rank of a parallel layout
+    applies them to the preset itself."""
+    return {"num_hidden_layers": layers,
+            "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(layers)],
+            "vision_config": None, "audio_config": None}
+
+
 def cut_config(preset: str, layers: int) -> MuseSparkConfig:
-    """`preset`'s config with `layers` text layers, sliding and global in turn, no encoders
-    (they play no part in text steps)."""
-    config = get_preset(preset)
-    text = dataclasses.replace(config.text_config, num_hidden_layers=layers,
-                               layer_types=[SLIDING if i % 2 == 0 else FULL
-                                            for i in range(layers)])
-    return dataclasses.replace(config, text_config=text, vision_config=None, audio_config=None)
-
-
-@contextlib.contextmanager
-def registered(preset: str, layers: int) -> Iterator[str]:
-    """A preset name for the cut model while the block runs (the engine takes presets by
-    name; nothing else in the process sees it afterwards)."""
-    name = f"{preset}-{layers}-layers"
-    PRESETS[name] = lambda: cut_config(preset, layers)
-    try:
-        yield name
-    finally:
-        del PRESETS[name]
+    return with_overrides(get_preset(preset), cut_overrides(layers))
 
 
 def decode_step_s(llm, batch: int, context: int, steps: int, rng) -> float:
@@ -108,8 +99,10 @@ def prefill_s(llm, length: int, rng) -> float:
     return statistics.median(times[1:])  # the first compiles
 
 
-def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    llm, info = build_muse(name, args.device, args.dtype,
+def measure(layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    name = f"{args.preset} cut to {layers} layers"
+    llm, info = build_muse(args.preset, args.device, args.dtype,
+                           hf_overrides=cut_overrides(layers), **parallel_engine_args(args),
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=max(args.batches),
                            gpu_memory_utilization=args.gpu_memory_utilization,
@@ -171,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON record here")
+    add_parallel_args(parser)
     args = parser.parse_args(argv)
     import torch
 
@@ -181,10 +175,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--layers takes two even layer counts, the second larger")
     runs = {}
     for layers in (small, large):
-        with registered(args.preset, layers) as name:
-            runs[layers] = measure(name, args)
+        runs[layers] = measure(layers, args)
     per_layer = 1 / (large - small)
-    machine = Machine(H200_MEMORY_BANDWIDTH, H200_BF16_MATMUL_FLOPS)
+    gpus = num_gpus(args)  # a layer sharded over N GPUs reads and multiplies on all N
+    machine = Machine(H200_MEMORY_BANDWIDTH * gpus, H200_BF16_MATMUL_FLOPS * gpus)
     bytes_per_weight = {None: 2, "fp8": 1, "nvfp4-w4a16": 0.5625, "mxfp4": 0.53125}.get(
         args.quantization, 2)
     roof = layer_rooflines(args.preset, args, machine, bytes_per_weight)
@@ -199,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = {"benchmark": "real_size", "environment": environment(args.device),
               "preset": args.preset, "layers": [small, large], "context": args.context,
               "prefill_tokens": args.prefill, "quantization": args.quantization,
-              "machine": machine.to_dict(), "decode_per_layer": decode,
+              "machine": machine.to_dict(), "gpus": gpus,
+              "parallel": parallel_engine_args(args), "decode_per_layer": decode,
               "prefill_per_layer": {"layer_s": prefill, "per_token_s": prefill / args.prefill,
                                     "roofline_s": roof["prefill_s"],
                                     "roofline_fraction": roof["prefill_s"] / prefill

@@ -130,7 +130,8 @@ def _engine_args(args: argparse.Namespace) -> dict:
             "kv_cache_dtype": args.kv_cache_dtype,
             "calculate_kv_scales": args.calculate_kv_scales,
             "quantization": args.quantization,
-            "speculative_config": args.speculative_config}
+            "speculative_config": args.speculative_config,
+            "hf_overrides": args.hf_overrides}
 
 
 def _sampling(args: argparse.Namespace):
@@ -274,6 +275,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding as JSON, vLLM's names, e.g. "
                              "'{\"method\": \"dspark\"}' for the shipped drafter "
                              "(default: off)")
+    parser.add_argument("--hf-overrides", default=None,
+                        help="fields of the model's config replaced, as JSON, e.g. "
+                             "'{\"num_hidden_layers\": 2}' (default: none)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each step back before launching the next (when off, the "
                              "next step is launched first, so host work overlaps the GPU) "

@@ -293,6 +293,55 @@ def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"config `{prefix}`: {error}") from None
 
 
+def parse_overrides(value: Any) -> dict[str, Any]:
+    """`hf_overrides` as given: a dict, its JSON text, or None (no overrides)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"`hf_overrides` is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"`hf_overrides` must be a JSON object, got {value!r}")
+    return value
+
+
+def with_overrides(config: MuseSparkConfig, overrides: Any) -> MuseSparkConfig:
+    """`config` with vLLM's `hf_overrides` applied: decoder fields (top level, or inside
+    `text_config`) replaced, `vision_config` / `audio_config` set to null to leave an encoder
+    out. `num_hidden_layers` alone keeps the first layers' kinds."""
+    overrides = dict(parse_overrides(overrides))
+    if not overrides:
+        return config
+    text_fields = {f.name for f in dataclasses.fields(TextConfig)}
+    nested = overrides.pop("text_config", {})
+    if not isinstance(nested, dict):
+        raise ValueError(f"`hf_overrides.text_config` must be an object, got {nested!r}")
+    encoders = {}
+    for name in ("vision_config", "audio_config"):
+        if name in overrides:
+            if overrides[name] is not None:
+                raise ValueError(f"`hf_overrides.{name}` can only be null (no such encoder)")
+            encoders[name] = overrides.pop(name)
+    text_overrides = {**overrides, **nested}
+    unknown = sorted(set(text_overrides) - text_fields)
+    if unknown:
+        raise ValueError(f"`hf_overrides`: {unknown} are not fields of the model's config "
+                         f"(the decoder's: {sorted(text_fields)})")
+    text = config.text_config
+    layers = text_overrides.get("num_hidden_layers", text.num_hidden_layers)
+    if "layer_types" not in text_overrides and layers != text.num_hidden_layers:
+        kinds = text.layer_types
+        text_overrides["layer_types"] = kinds[:layers] if layers <= len(kinds) \
+            else default_layer_types(layers)
+    try:
+        text = dataclasses.replace(text, **text_overrides)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"`hf_overrides`: {error}") from None
+    return dataclasses.replace(config, text_config=text, **encoders)
+
+
 def default_layer_types(num_layers: int, period: int = 4) -> list[str]:
     """The Muse pattern: global where `i % period == period - 1`, and the last layer global."""
     return [FULL if i % period == period - 1 or i == num_layers - 1 else SLIDING

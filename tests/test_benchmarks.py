@@ -255,7 +255,6 @@ def test_quantized_speed_json(tmp_path):
 
 def test_real_size_json(tmp_path):
     from benchmarks import real_size
-    from muse.presets import PRESETS
 
     out = tmp_path / "real-size.json"
     record = real_size.main(["--preset", "muse-spark-tiny", "--device", "cpu", "--dtype",
@@ -269,11 +268,23 @@ def test_real_size_json(tmp_path):
         assert all(positive(s) for s in runs["decode_step_s"].values())
         assert positive(runs["prefill_s"])
     assert all(positive(cell["roofline_s"]) for cell in record["decode_per_layer"].values())
-    assert not any(name.endswith("-layers") for name in PRESETS)  # the cut models are gone
     # The cut models: the preset's layer shapes, sliding and global in turn.
     cut = real_size.cut_config("muse-spark-open-816b-a42b", 4).text_config
     assert cut.hidden_size == 8192 and cut.num_experts == 256
     assert cut.layer_types == ["sliding_attention", "full_attention"] * 2
+
+
+def test_real_size_over_two_ranks():
+    """Every rank cuts the preset itself (`hf_overrides`), so a sharded layout runs too."""
+    from benchmarks import real_size
+
+    record = real_size.main(["--preset", "muse-spark-tiny", "--device", "cpu", "--dtype",
+                             "float32", "--batches", "1", "--context", "16", "--prefill", "16",
+                             "--decode-steps", "2", "--kv-cache-memory-bytes", str(32 * 2**20),
+                             "--tensor-parallel-size", "2"])
+    assert record["gpus"] == 2 and record["parallel"]["tensor_parallel_size"] == 2
+    assert all(positive(s) for run in record["runs"].values()
+               for s in run["decode_step_s"].values())
 
 
 def test_kv_offload_copies_json(tmp_path):

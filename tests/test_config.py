@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -54,3 +55,36 @@ def test_invalid_rope_and_unknown_keys_are_named():
 def test_dense_config_needs_no_expert_fields():
     config = TextConfig(num_experts=0, intermediate_size=96, moe_latent_size=None)
     assert not config.is_moe
+
+
+def test_hf_overrides_replace_decoder_fields_and_drop_encoders():
+    from muse.config import with_overrides
+
+    config = get_preset("muse-spark-default")
+    assert config.vision_config is not None and config.audio_config is not None
+    kinds = config.text_config.layer_types
+    cut = with_overrides(config, '{"num_hidden_layers": 2, "vision_config": null}')
+    assert cut.text_config.num_hidden_layers == 2
+    assert cut.text_config.layer_types == kinds[:2]  # the first layers' kinds kept
+    assert cut.vision_config is None and cut.audio_config == config.audio_config
+    nested = with_overrides(config, {"text_config": {"sliding_window": 8}, "audio_config": None})
+    assert nested.text_config.sliding_window == 8 and nested.audio_config is None
+    grown = with_overrides(config, {"num_hidden_layers": len(kinds) + 4})
+    assert grown.text_config.layer_types == default_layer_types(len(kinds) + 4)
+    assert with_overrides(config, None) is config
+    assert config.text_config.num_hidden_layers == len(kinds)  # the original is untouched
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    ({"num_hidden_layer": 2}, "['num_hidden_layer'] are not fields"),
+    ('{"num_hidden_layers": ', "not valid JSON"),
+    ([1, 2], "must be a JSON object"),
+    ({"vision_config": {"hidden_size": 8}}, "can only be null"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+])
+def test_bad_hf_overrides_are_named(overrides, fragment):
+    from muse.config import with_overrides
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        with_overrides(get_preset("muse-spark-tiny"), overrides)

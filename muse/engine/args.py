@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from muse.config import parse_overrides
 from muse.distributed.config import ParallelConfig
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 from muse.presets import PRESETS
@@ -87,6 +88,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     # A collective between ranks that takes longer than this fails (a hung rank).
     distributed_timeout_s: float = 600.0
+    # vLLM's `hf_overrides`: fields of the model's config replaced (a dict or its JSON text),
+    # e.g. {"num_hidden_layers": 2} for a preset cut to two layers (muse.config.with_overrides).
+    hf_overrides: Any = None
     # Speculative decoding (vLLM's names): a dict, its JSON text or a SpeculativeConfig.
     speculative_config: Any = None
     # Prefill / decode disaggregation (vLLM's `--kv-transfer-config`; muse.disagg.config).
@@ -198,6 +202,7 @@ class EngineArgs:
                                  f"unset), got {self.quantization!r}; formats with activation "
                                  "scales need calibration: write them with `muse quantize`")
         self._validate_model()
+        parse_overrides(self.hf_overrides)
         self._validate_device()
         self._validate_kv_cache_dtype()
         self._validate_parallel()

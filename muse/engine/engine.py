@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from muse.config import FULL, SLIDING, MuseSparkConfig
+from muse.config import FULL, SLIDING, MuseSparkConfig, with_overrides
 from muse.disagg.config import KVTransferConfig
 from muse.disagg.connector import ConnectorLayerHooks, KVConnector, load_connector
 from muse.disagg.encoder_connector import ECTransferConfig, connected_encoders
@@ -97,6 +97,7 @@ def load_engine_model(args: EngineArgs, device: torch.device
                       ) -> tuple[MuseSparkConfig, EngineModel, torch.dtype]:
     """A preset gets seeded random weights; a folder is loaded as a checkpoint."""
     config = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
+    config = with_overrides(config, args.hf_overrides)
     dtype = args.resolve_dtype(config.dtype, device)
     backends = select_backends(device, args.attention_backend, args.moe_backend)
     quant_config = None

@@ -195,6 +195,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
     add("--speculative-config", default=None,
         help="speculative decoding as JSON, vLLM's names, e.g. '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 5}' (default: off)")
+    add("--hf-overrides", default=None,
+        help="fields of the model's config replaced, as JSON, e.g. '{\"num_hidden_layers\": "
+             "2}' (a preset cut to two layers); \"vision_config\" / \"audio_config\": null "
+             "leave an encoder out (default: none)")
     add("--enable-lora", action="store_true",
         help="serve LoRA adapters: a request's `model` names one (default: off)")
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -271,7 +275,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=args.distributed_executor_backend,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,
         speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
-        ec_transfer_config=args.ec_transfer_config,
+        hf_overrides=args.hf_overrides, ec_transfer_config=args.ec_transfer_config,
         enable_lora=args.enable_lora, lora_modules=list(args.lora_modules),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
