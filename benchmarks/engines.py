@@ -41,7 +41,8 @@ def build_muse(shape: str, device: torch.device, dtype: str, *, enforce_eager: b
     info = {"detokenize": detokenize, "enforce_eager": enforce_eager,
             "engine_args": dataclasses.asdict(llm.engine.args),
             "max_model_len_resolved": llm.engine.max_model_len,
-            "parameters": sum(p.numel() for p in llm.engine.model.parameters())}
+            # rank 0's share (a data-parallel engine's first replica's)
+            "parameters": sum(p.numel() for p in llm.engine.replicas[0].model.parameters())}
     return llm, info
 
 

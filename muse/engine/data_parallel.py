@@ -37,6 +37,7 @@ class DataParallelEngine:
         self.args, self.config, self.model_config = first.args, first.config, first.model_config
         self.tokenizer, self.eos_token_ids = first.tokenizer, first.eos_token_ids
         self.max_model_len = first.max_model_len
+        self.device = first.device  # rank 0's, where this process's replica runs
 
     @property
     def requests(self) -> dict[str, list[Request]]:
