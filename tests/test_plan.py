@@ -110,3 +110,17 @@ def test_efficiencies_come_from_measured_full_size_layers():
     measured = project(config, TP8_EP, GPUS["b300"], "nvfp4", memory_efficiency=memory,
                        compute_efficiency=compute).speeds[0]
     assert measured.memory_s == pytest.approx(default.memory_s * 0.45 / memory)
+
+
+def test_layer_timings_of_a_sharded_layer_give_one_gpu_efficiencies():
+    """A record measured over 8 GPUs compares with 8 GPUs' roofline: per GPU it is the same
+    efficiency as one GPU's record with the same fractions."""
+    from muse.plan.projection import efficiencies_from_layer_timings
+
+    one = {"machine": {"memory_bandwidth_Bps": 4.26e12, "matmul_flops": 790e12},
+           "decode_per_layer": {"1": {"roofline_fraction": 0.6}},
+           "prefill_per_layer": {"roofline_fraction": 0.5}}
+    eight = {**one, "gpus": 8, "machine": {"memory_bandwidth_Bps": 8 * 4.26e12,
+                                           "matmul_flops": 8 * 790e12}}
+    assert efficiencies_from_layer_timings(eight) == pytest.approx(
+        efficiencies_from_layer_timings(one))

@@ -61,12 +61,13 @@ def efficiencies_from_layer_timings(record: dict) -> tuple[float, float]:
     """(memory, compute) efficiency against datasheet figures from a `real_size.py` record:
     the batch-1 decode layer's share of its roofline and the prefill layer's, each scaled
     from the bandwidth and matmul rate the roofline used (measured on the H200) to the
-    datasheet's."""
-    machine = record["machine"]
+    datasheet's. A layer sharded over N GPUs was measured against N GPUs' roofline."""
+    machine, gpus = record["machine"], record.get("gpus", 1)
     decode = record["decode_per_layer"]["1"]["roofline_fraction"]
     prefill = record["prefill_per_layer"]["roofline_fraction"]
-    return (min(1.0, decode) * machine["memory_bandwidth_Bps"] / H200_DATASHEET_BANDWIDTH,
-            min(1.0, prefill) * machine["matmul_flops"] / H200_DATASHEET_BF16_FLOPS)
+    return (min(1.0, decode) * machine["memory_bandwidth_Bps"] / gpus
+            / H200_DATASHEET_BANDWIDTH,
+            min(1.0, prefill) * machine["matmul_flops"] / gpus / H200_DATASHEET_BF16_FLOPS)
 
 
 @dataclass(frozen=True)
