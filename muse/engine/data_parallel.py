@@ -87,6 +87,10 @@ class DataParallelEngine:
     def list_loras(self) -> list:
         return []
 
+    def expand_media_prompt(self, prompt_token_ids: list[int],
+                            multi_modal_data: dict[str, Any]) -> list[int]:
+        return self.replicas[0].expand_media_prompt(prompt_token_ids, multi_modal_data)
+
     def serve_kv_pulls(self) -> None:
         for replica in self.replicas:
             replica.serve_kv_pulls()

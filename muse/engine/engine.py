@@ -636,6 +636,12 @@ class EngineCore:
             raise InvalidRequestError(str(error), param="multi_modal_data") from None
         return out.input_ids, out.media
 
+    def expand_media_prompt(self, prompt_token_ids: list[int],
+                            multi_modal_data: dict[str, Any]) -> list[int]:
+        """The prompt ids a request with this media would run: its placeholders expanded
+        (`/tokenize`); nothing is queued or encoded."""
+        return self._process_media(prompt_token_ids, multi_modal_data)[0]
+
     def media_kinds(self) -> list[str]:
         """The media kinds this engine takes ("image", "video", "audio"): those its loaded
         encoders read, so the server can refuse other parts before decoding them."""

@@ -41,7 +41,9 @@ from muse.server.protocol import (
 from muse.server.token_generate import GenerateRequest, generate_reply, plan_generate
 from muse.server.request_guards import BufferedBody, CountRequests, RequireAPIKey
 from muse.server.serving import (
+    MediaPart,
     ServerOptions,
+    check_media,
     check_model,
     default_body_limit,
     completion_prompts,
@@ -242,22 +244,33 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
         except RequestError as error:
             raise APIError(error.status, str(error), param=error.param) from None
 
-    def tokenize_body(raw: bytes) -> list[int]:
+    def tokenize_body(raw: bytes) -> tuple[list[int], list[MediaPart]]:
+        """The prompt's ids, and a chat's media parts (their placeholders not expanded)."""
         body = parse_body(raw, TokenizeRequest)
         check_model(body.model, options)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
+            media_parts = check_media(body.messages, client.ready,
+                                      options.limit_mm_per_prompt)
             tools = [t.model_dump() for t in body.tools] if body.tools else None
             return render_chat(body.messages, tools, body.add_generation_prompt,
-                               body.chat_template_kwargs, tokenizer, client.ready, options)
+                               body.chat_template_kwargs, tokenizer, client.ready,
+                               options), media_parts
         return tokenize_prompts([body.prompt], tokenizer, client.ready, options,
-                                body.add_special_tokens)[0]
+                                body.add_special_tokens)[0], []
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         require_engine()
-        tokens = await off_loop(tokenize_body, await request.body())
+        tokens, media_parts = await off_loop(tokenize_body, await request.body())
+        if media_parts:
+            # As the chat route runs it: each item's placeholder becomes its tokens.
+            media = await decode_media(media_parts, options.media_limits, media_pool)
+            try:
+                tokens = await client.expand_prompt(tokens, media)
+            except RequestError as error:
+                raise APIError(error.status, str(error), param=error.param) from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len":
                 client.ready.max_model_len}
 

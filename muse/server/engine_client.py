@@ -28,6 +28,8 @@ from muse.server.messages import (
     EngineDead,
     EngineReady,
     EngineStats,
+    ExpandedPrompt,
+    ExpandPrompt,
     FromEngine,
     LoadLoRA,
     LoRAAdapters,
@@ -84,7 +86,7 @@ class EngineClient:
 
     def _dispatch(self, messages: list) -> None:
         for message in messages:
-            if isinstance(message, (SampleDelta, RequestFailed, LoRAAdapters)):
+            if isinstance(message, (SampleDelta, RequestFailed, LoRAAdapters, ExpandedPrompt)):
                 target = self.queues.get(message.request_id)
                 if target is not None:
                     target.put_nowait(message)
@@ -112,9 +114,9 @@ class EngineClient:
         """Clear the engine's prefix cache before any request submitted after this call."""
         self._submit(ResetPrefixCache())
 
-    async def change_lora(self, command: LoadLoRA | UnloadLoRA) -> dict[str, str]:
-        """Load or unload an adapter in the engine (between two of its steps); the adapters
-        it knows afterwards, name -> path. A refusal raises `RequestError`."""
+    async def _ask(self, command):
+        """Send a command the engine answers with one message (between two of its steps);
+        that message. A refusal raises `RequestError`."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         target: asyncio.Queue = asyncio.Queue()
@@ -128,7 +130,18 @@ class EngineClient:
             raise EngineDeadError(message.message)
         if isinstance(message, RequestFailed):
             raise RequestError(message.message, message.param, message.status)
-        return message.adapters
+        return message
+
+    async def change_lora(self, command: LoadLoRA | UnloadLoRA) -> dict[str, str]:
+        """Load or unload an adapter in the engine; the adapters it knows afterwards,
+        name -> path."""
+        return (await self._ask(command)).adapters
+
+    async def expand_prompt(self, prompt_token_ids: list[int], media: list[MediaArray]
+                            ) -> list[int]:
+        """The prompt with its media placeholders expanded by the engine's processor."""
+        command = ExpandPrompt(self.new_request_id("tokenize"), prompt_token_ids, media)
+        return (await self._ask(command)).prompt_token_ids
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
                        media: list[MediaArray] | None = None, cache_salt: str | None = None,

@@ -22,6 +22,8 @@ from muse.server.messages import (
     AddRequest,
     EngineReady,
     EngineStats,
+    ExpandedPrompt,
+    ExpandPrompt,
     LoadLoRA,
     LoRAAdapters,
     RequestFailed,
@@ -126,6 +128,15 @@ class EngineLoop:
             self.engine.abort(command.request_id)
         elif isinstance(command, ResetPrefixCache):
             self.engine.reset_prefix_cache()
+        elif isinstance(command, ExpandPrompt):
+            try:
+                ids = self.engine.expand_media_prompt(command.prompt_token_ids,
+                                                      multi_modal_data(command.media))
+            except InvalidRequestError as error:
+                if error.param in ("prompt", "multi_modal_data"):
+                    error.param = "messages"
+                return [self._failure(command.request_id, error)]
+            return [ExpandedPrompt(command.request_id, ids)]
         elif isinstance(command, (LoadLoRA, UnloadLoRA)):
             # Between two steps: a replaced adapter serves every step from the next one on.
             try:

@@ -116,6 +116,21 @@ class UnloadLoRA(msgspec.Struct, tag=True):
     lora_name: str
 
 
+class ExpandPrompt(msgspec.Struct, tag=True):
+    """A chat prompt whose media placeholders the engine's processor expands (`/tokenize`:
+    only the engine knows how many tokens an item takes); answered by `ExpandedPrompt` or
+    `RequestFailed`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    media: list[MediaArray]
+
+
+class ExpandedPrompt(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+
+
 class LoRAAdapters(msgspec.Struct, tag=True):
     """The adapters the engine knows after a change: name -> path."""
 
@@ -189,6 +204,7 @@ class EngineDead(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | ResetPrefixCache | LoadLoRA | UnloadLoRA | Shutdown
-FromEngine = list[SampleDelta | RequestFailed | EngineStats | EngineReady | EngineDead
-                  | LoRAAdapters]
+ToEngine = (AddRequest | AbortRequest | ResetPrefixCache | LoadLoRA | UnloadLoRA | ExpandPrompt
+            | Shutdown)
+FromEngine = list[SampleDelta | RequestFailed | ExpandedPrompt | EngineStats | EngineReady
+                  | EngineDead | LoRAAdapters]

@@ -117,7 +117,7 @@ class MediaPart:
     part: dict
 
 
-def _check_media(messages: list, ready: EngineReady,
+def check_media(messages: list, ready: EngineReady,
                  limits: dict[str, int] | None = None) -> list[MediaPart]:
     """Check every content part's fields and return the media parts in prompt order.
 
@@ -226,7 +226,7 @@ class ChatPlan:
 def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
               options: ServerOptions) -> ChatPlan:
     check_model(request.model, options)
-    media_parts = _check_media(request.messages, ready, options.limit_mm_per_prompt)
+    media_parts = check_media(request.messages, ready, options.limit_mm_per_prompt)
     tools = [t.model_dump() for t in request.tools] if request.tools else None
     choice = request.tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:

@@ -210,6 +210,21 @@ def test_without_max_tokens_a_media_reply_may_fill_the_context(client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_tokenize_expands_the_media_as_a_chat_request_does(client, media_server):
+    import httpx
+
+    image = image_part(data_url(png_bytes(11), "image/png"))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    reply = client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages)
+    tokenized = httpx.post(f"{media_server.base_url}/tokenize",
+                           json={"model": MODEL, "messages": messages}).json()
+    assert tokenized["count"] == reply.usage.prompt_tokens == len(tokenized["tokens"])
+    # A part that cannot be decoded is the same 400 as in a chat request.
+    bad = [{"role": "user", "content": [image_part("data:image/png;base64,bm90IGFuIGltYWdl")]}]
+    error = httpx.post(f"{media_server.base_url}/tokenize", json={"model": MODEL, "messages": bad})
+    assert error.status_code == 400 and error.json()["error"]["param"] == "messages[0].content[0]"
+
+
 def test_hosts_outside_the_allowed_domains_are_refused(client, media_host):
     port = media_host.rsplit(":", 1)[1]
     for url in (f"http://localhost:{port}/image.png", "http://10.1.2.3/image.png"):

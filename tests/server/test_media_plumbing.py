@@ -23,7 +23,7 @@ from muse.server.messages import (AddRequest, EngineReady, EngineStats, MediaArr
                                   multi_modal_data)
 from muse.server.metrics import ServerMetrics
 from muse.server.protocol import ChatMessage
-from muse.server.serving import MediaPart, _check_media, decode_media, placeholder_content
+from muse.server.serving import MediaPart, check_media, decode_media, placeholder_content
 
 ALL_KINDS = EngineReady(model="m", vocab_size=10, max_model_len=10, max_num_seqs=1,
                         eos_token_ids=[2], media_kinds=["image", "video", "audio"])
@@ -67,7 +67,7 @@ def test_a_media_array_whose_bytes_do_not_fit_its_shape_is_refused():
 
 
 def test_media_parts_are_listed_in_order_and_checked():
-    parts = _check_media(user(
+    parts = check_media(user(
         {"type": "text", "text": "look"},
         {"type": "image_url", "image_url": {"url": png_url()}},
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
@@ -76,17 +76,17 @@ def test_media_parts_are_listed_in_order_and_checked():
         ("messages[0].content[1]", "image"), ("messages[0].content[2]", "audio"),
         ("messages[0].content[3]", "video")]
     with pytest.raises(APIError) as error:
-        _check_media(user({"type": "input_audio", "input_audio": {"format": "wav"}}),
+        check_media(user({"type": "input_audio", "input_audio": {"format": "wav"}}),
                      ALL_KINDS)
     assert error.value.param == "messages[0].content[0].input_audio.data"
 
 
 def test_a_model_without_the_encoder_refuses_the_part():
     no_audio = msgspec.structs.replace(ALL_KINDS, media_kinds=["image", "video"])
-    assert _check_media(user({"type": "image_url", "image_url": {"url": png_url()}}),
+    assert check_media(user({"type": "image_url", "image_url": {"url": png_url()}}),
                         no_audio)
     with pytest.raises(APIError) as error:
-        _check_media(user({"type": "text", "text": "hi"},
+        check_media(user({"type": "text", "text": "hi"},
                           {"type": "audio_url", "audio_url": {"url": "data:audio/wav,x"}}),
                      no_audio)
     assert (error.value.status, error.value.param) == (400, "messages[0].content[1]")
@@ -139,9 +139,9 @@ def test_encoder_cache_metrics_follow_the_engine_stats():
 
 def test_media_parts_past_the_per_prompt_limit_are_refused():
     image = {"type": "image_url", "image_url": {"url": png_url()}}
-    assert len(_check_media(user(image, image), ALL_KINDS, {"image": 2})) == 2
+    assert len(check_media(user(image, image), ALL_KINDS, {"image": 2})) == 2
     with pytest.raises(APIError) as error:
-        _check_media(user(image, image, image), ALL_KINDS, {"image": 2})
+        check_media(user(image, image, image), ALL_KINDS, {"image": 2})
     assert error.value.param == "messages[0].content[2]"
     assert "--limit-mm-per-prompt" in error.value.message
 
