@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
             run = llm.chat if method == "chat" else llm.generate
             outputs = run(prompts, params, use_tqdm=False)
             replies[name][set_name] = [list(o.outputs[0].token_ids) for o in outputs]
+        llm.shutdown()
         del llm
     reference = CONFIGS[0][0]
     results = {set_name: {name: agreement(replies[reference][set_name], replies[name][set_name])

@@ -155,6 +155,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: Roofline) -> dict
             row["error"] = error_text(exc)
         rows.append(row)
         free_memory(device)
+    llm.shutdown()  # ends its worker processes and leaves their world
     llm = None  # frees the engine before the next one loads
     info["allocated_after_free"] = free_memory(device)
     return {"engine": info, "rows": rows}

@@ -122,6 +122,7 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
           f"({tokens / elapsed:.1f} tokens/s), kernels {total_us / 1e3:.3f} ms per {unit}")
     for k in kernels[:top]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
+    llm.shutdown()  # ends its worker processes and leaves their world
     del llm
     free_memory(device)
     return {"shape": shape, "quantization": quantization, "parallel": parallel,

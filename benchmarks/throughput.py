@@ -146,6 +146,7 @@ def run_muse(args: argparse.Namespace, device, requests: list[Request], subset: 
         part = requests[:subset]
         seconds, produced = generate(part)
         result["subset"] = figures(part, seconds, roofline.batch(lengths(part)), produced)
+    llm.shutdown()  # ends its worker processes and leaves their world
     llm = None  # frees the engine before the next one loads
     info["allocated_after_free"] = free_memory(device)
     return result
