@@ -280,17 +280,23 @@ def fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, rows, row_ok, k_star
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, packed_ptr, scales_ptr, row_factor_ptr, bias_ptr, y_ptr, N,
-    stride_xk, stride_pn, stride_pk, stride_sn, stride_sk, stride_rn, stride_yn,
+    x_ptr, packed_ptr, scales_ptr, row_factor_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    N, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk, stride_rn, stride_yn,
     K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_PROGRAM: tl.constexpr,
-    PARTIAL: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one activation row and BLOCK_N outputs, over
     this program's K slice (`fp4_gemv_step`); the row factor multiplies each output's sum
     once. The twin rounds each weight to the activation dtype first: the results differ by
-    that rounding, well inside the tests' tolerance."""
+    that rounding, well inside the tests' tolerance.
+
+    With SPLIT programs along K, each stores its partial sums (float32 [SPLIT, N] at
+    partial_ptr) and counts itself in at its output tile's counter; the last to arrive adds
+    the partials in split order (the same sums whichever arrives last), finishes the tile and
+    sets the counter back to 0 for the next call. One launch, where a reduction after the
+    kernel took two more (a third of a decode GEMV's time on the H200)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,14 +308,47 @@ def _w4a16_gemv_kernel(
                              stride_pn, stride_pk, stride_sn, stride_sk, K, BLOCK_N, BLOCK_K,
                              SCALE_BLOCK, SCALE_E8M0)
     out = tl.sum(acc, axis=1)
+    if SPLIT > 1:
+        tl.store(partial_ptr + pid_k * N + cols, out, mask=col_ok)
+        # acq_rel: this program's partials are visible before its arrival is; the last one
+        # sees every partial stored before the arrivals it counts.
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(SPLIT):
+                out += tl.load(partial_ptr + split * N + cols, mask=col_ok, other=0.0,
+                               cache_modifier=".cg")
+            _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn,
+                         stride_yn, HAS_ROW_FACTOR, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn, stride_yn,
+                     HAS_ROW_FACTOR, HAS_BIAS)
+
+
+@triton.jit
+def _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn, stride_yn,
+                 HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr):
     if HAS_ROW_FACTOR:
         out *= tl.load(row_factor_ptr + cols * stride_rn, mask=col_ok, other=1.0).to(tl.float32)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y_ptrs = y_ptr + cols * stride_yn
-    if PARTIAL:
-        y_ptrs += pid_k * N
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(y_ptr + cols * stride_yn, out.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+# Arrival counters of split GEMVs, per device: zero between calls (each call's last program
+# of a tile sets its counter back), so one buffer serves every call on a stream in turn.
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        # Made before any CUDA graph capture in practice (warm-up runs eagerly first), and
+        # large enough that a later, wider call rarely needs a new one.
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = counters
+    return counters
 
 
 def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = None,
@@ -329,28 +368,24 @@ def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = N
     if split < 1 or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
         raise ValueError(f"split_k {split} must share the {steps} K steps with none idle")
     y = torch.empty(out_features, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32,
-                                           device=x.device)
+    n_tiles = triton.cdiv(out_features, tiles.block_n)
+    partials = torch.empty(split, out_features, dtype=torch.float32, device=x.device) \
+        if split > 1 else y
+    counters = split_counters(x.device, n_tiles) if split > 1 else y
     scales, row_factor = weight.scale_bytes, weight.row_factor
     has_row_factor = row_factor is not None
     if row_factor is None:
         row_factor = scales  # any pointer; never read
-    has_bias = bias is not None and split == 1
-    _w4a16_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
-        x, weight.packed, scales, row_factor, bias if has_bias else y, out, out_features,
-        x.stride(0), weight.packed.stride(0), weight.packed.stride(1), scales.stride(0),
-        scales.stride(1), row_factor.stride(0), out.stride(-1),
+    _w4a16_gemv_kernel[(n_tiles, split)](
+        x, weight.packed, scales, row_factor, bias if bias is not None else y, y, partials,
+        counters, out_features, x.stride(0), weight.packed.stride(0), weight.packed.stride(1),
+        scales.stride(0), scales.stride(1), row_factor.stride(0), y.stride(0),
         K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
-        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=has_bias,
+        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_PER_PROGRAM=triton.cdiv(steps, split) * tiles.block_k, PARTIAL=split > 1,
+        K_PER_PROGRAM=triton.cdiv(steps, split) * tiles.block_k, SPLIT=split,
         num_warps=tiles.num_warps,
     )
-    if split > 1:
-        total = out.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)
     return y
 
 

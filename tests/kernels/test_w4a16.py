@@ -30,7 +30,7 @@ from muse.kernels.w4a16 import (  # noqa: E402
     w4a16_linear_triton,
 )
 from muse.kernels.w4a16_triton import (GemvTiles, LinearTiles, choose_tiles,  # noqa: E402
-                                        split_for, w4a16_gemv)
+                                        split_counters, split_for, w4a16_gemv)
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
 from tests.quantization.dequantize import nv_dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
@@ -262,6 +262,20 @@ def test_gemv_matches_twin(fmt: str, dtype: torch.dtype, out: int, inp: int,
     assert ((kernel.float() - twin.float()).abs() <= TOLERANCE[dtype] * size).all()
     if tiles is None:  # what the linear layer runs for one row
         assert torch.equal(w4a16_linear_triton(x, weight, bias), kernel)
+
+
+def test_split_gemv_leaves_its_counters_at_zero_and_repeats_exactly() -> None:
+    """The last program of each tile adds the partials in split order and resets its counter:
+    the next call (the next step, or a graph replay) finds them at zero and sums alike."""
+    weight = random_weight("nvfp4", 70, 256, seed=3)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    tiles = GemvTiles(16, 32, 2, split_k=8)
+    first = w4a16_gemv(x, weight, tiles=tiles)
+    counters = split_counters(first.device, 5)
+    assert not counters.any()
+    assert torch.equal(w4a16_gemv(x, weight, tiles=tiles), first)
+    whole = w4a16_gemv(x, weight, tiles=GemvTiles(16, 32, 2, split_k=1))
+    torch.testing.assert_close(first, whole, rtol=2**-7, atol=0)
 
 
 def test_gemv_reads_every_code_and_scale() -> None:
@@ -506,10 +520,11 @@ for fmt in ("nvfp4", "mxfp4"):
     gemv = w4a16_triton.choose_gemv_tiles(2048, 4096, block)
     compile_for_hopper(
         w4a16_triton._w4a16_gemv_kernel,
-        dict(packed, x_ptr="*bf16", bias_ptr="*bf16", y_ptr="*fp32"),
+        dict(packed, x_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16", partial_ptr="*fp32",
+             counter_ptr="*i32"),
         dict(K=4096, SCALE_BLOCK=block, SCALE_E8M0=fmt == "mxfp4",
              HAS_ROW_FACTOR=fmt == "nvfp4", HAS_BIAS=False, BLOCK_N=gemv.block_n,
-             BLOCK_K=gemv.block_k, K_PER_PROGRAM=4096 // gemv.split_k, PARTIAL=True),
+             BLOCK_K=gemv.block_k, K_PER_PROGRAM=4096 // gemv.split_k, SPLIT=gemv.split_k),
         UNIT, gemv.num_warps)
 prefill = moe_triton.choose_tiles(8192 * 8, 256)
 prefill_gemm2 = (min(prefill.gemm2[0], moe_triton.FP4_MAX_GEMM2_BLOCK_N), *prefill.gemm2[1:])
