@@ -213,7 +213,7 @@ def test_without_max_tokens_a_media_reply_may_fill_the_context(client):
 def test_tokenize_expands_the_media_as_a_chat_request_does(client, media_server):
     import httpx
 
-    image = image_part(data_url(png_bytes(11), "image/png"))
+    image = image_part(data_url(png_bytes(12), "image/png"))  # an image no other test sends
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
     reply = client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages)
     tokenized = httpx.post(f"{media_server.base_url}/tokenize",
