@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from muse.json_options import json_object
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -295,16 +297,7 @@ def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
 
 def parse_overrides(value: Any) -> dict[str, Any]:
     """`hf_overrides` as given: a dict, its JSON text, or None (no overrides)."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"`hf_overrides` is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"`hf_overrides` must be a JSON object, got {value!r}")
-    return value
+    return {} if value is None else json_object(value, "hf_overrides")
 
 
 def with_overrides(config: MuseSparkConfig, overrides: Any) -> MuseSparkConfig:
