@@ -54,43 +54,13 @@ URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-# Flags of both servers: the context, the device (a CPU dry run) and SERVE_FLAGS.
-SERVE=(--max-model-len "$MAX_LEN")
-[ -n "${DEVICE:-}" ] && SERVE+=(--device "$DEVICE")
-read -r -a EXTRA <<< "${SERVE_FLAGS:-}"
-SERVE+=("${EXTRA[@]}")
-
-# The server runs in a session of its own (setsid) so that, should it ignore SIGTERM, it can
-# be killed together with its engine and rank processes.
-SERVER=""
-stop_server() {  # SIGTERM (the server shuts its ranks down), SIGKILL its group after 60 s
-    [ -z "$SERVER" ] && return 0
-    kill "$SERVER" 2>/dev/null
-    for _ in $(seq 1 120); do
-        kill -0 "$SERVER" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -9 -- "-$SERVER" 2>/dev/null
-    wait "$SERVER" 2>/dev/null
-    SERVER=""
-}
-trap stop_server EXIT
+# shellcheck source=scripts/bench_server_lib.sh
+source scripts/bench_server_lib.sh
+trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-start_server() {  # NAME [serve flags...]: start `muse serve` and wait for /health
-    local name=$1; shift
-    setsid "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" "${SERVE[@]}" "$@" \
-        > "$OUT/server-$name.log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 "${START_TIMEOUT:-600}"); do
-        if "$PYTHON" -c "import urllib.request; urllib.request.urlopen('$URL/health')" \
-            2>/dev/null; then return 0; fi
-        kill -0 "$SERVER" 2>/dev/null || break
-        sleep 1
-    done
-    echo "server $name did not start"; tail -20 "$OUT/server-$name.log"; return 1
-}
+# A CPU dry run's device, beside SERVE_FLAGS (start_server adds them to both servers).
+[ -n "${DEVICE:-}" ] && SERVE_FLAGS="${SERVE_FLAGS:-} --device $DEVICE"
 
 bench() {
     "$PYTHON" -m muse.cli bench serve --base-url "$URL" --output-dir "$OUT" --no-progress \

@@ -62,55 +62,16 @@ DECODE_URL="http://127.0.0.1:$((PORT + 2))"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
+# shellcheck source=scripts/bench_server_lib.sh
+source scripts/bench_server_lib.sh
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # Flags of every instance: the context, the device (a CPU dry run) and SERVE_FLAGS.
 SERVE=(--max-model-len "$MAX_LEN")
 [ -n "${DEVICE:-}" ] && SERVE+=(--device "$DEVICE")
 read -r -a EXTRA <<< "${SERVE_FLAGS:-}"
 SERVE+=("${EXTRA[@]}")
-
-# Every process started here is in PIDS. Each runs in a session of its own (setsid) so that
-# one which ignores SIGTERM can be killed together with its engine and rank processes.
-PIDS=""
-stop_pids() {  # PID...: SIGTERM (each shuts its children down), SIGKILL their groups after 60 s
-    local pid alive
-    [ $# -eq 0 ] && return 0
-    kill "$@" 2>/dev/null
-    for _ in $(seq 1 120); do
-        alive=0
-        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ $alive = 0 ] && break
-        sleep 0.5
-    done
-    for pid in "$@"; do kill -9 -- "-$pid" 2>/dev/null; done
-    wait "$@" 2>/dev/null
-    return 0
-}
-cleanup() {
-    # shellcheck disable=SC2086  # PIDS is a list of numbers
-    stop_pids $PIDS
-    PIDS=""
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-launch() {  # NAME GPUS COMMAND...: COMMAND in the background on GPUS, output in OUT/server-NAME.log
-    local name=$1 gpus=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$gpus setsid "$@" > "$OUT/server-$name.log" 2>&1 &
-    PIDS="$PIDS $!"
-    LAST=$!
-}
-
-wait_healthy() {  # NAME URL PID: wait for URL/health, give up when PID exits
-    local name=$1 url=$2 pid=$3
-    for _ in $(seq 1 "${START_TIMEOUT:-600}"); do
-        if "$PYTHON" -c "import urllib.request; urllib.request.urlopen('$url/health')" \
-            2>/dev/null; then return 0; fi
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 1
-    done
-    echo "$name did not start"; tail -20 "$OUT/server-$name.log"; return 1
-}
 
 bench() {  # BASE_URL [bench flags...]
     local base_url=$1; shift
@@ -127,16 +88,19 @@ replay() {  # BASE_URL SETUP: both traces, results in OUT/{shared-prefix,agentic
 
 PRODUCER="{\"kv_role\": \"kv_producer\", \"kv_connector\": \"$CONNECTOR\", \"kv_port\": $KV_PORT}"
 CONSUMER="{\"kv_role\": \"kv_consumer\", \"kv_connector\": \"$CONNECTOR\"}"
-launch prefill "$PREFILL_GPU" "$PYTHON" -m muse.cli serve "$MODEL" --port "$((PORT + 1))" \
+launch prefill env CUDA_VISIBLE_DEVICES="$PREFILL_GPU" \
+    "$PYTHON" -m muse.cli serve "$MODEL" --port "$((PORT + 1))" \
     "${SERVE[@]}" --kv-transfer-config "$PRODUCER"
 PREFILL=$LAST
-launch decode "$DECODE_GPU" "$PYTHON" -m muse.cli serve "$MODEL" --port "$((PORT + 2))" \
+launch decode env CUDA_VISIBLE_DEVICES="$DECODE_GPU" \
+    "$PYTHON" -m muse.cli serve "$MODEL" --port "$((PORT + 2))" \
     "${SERVE[@]}" --kv-transfer-config "$CONSUMER"
 DECODE=$LAST
 wait_healthy prefill "$PREFILL_URL" "$PREFILL" || exit 1
 wait_healthy decode "$DECODE_URL" "$DECODE" || exit 1
 # The router needs no GPU.
-launch router "" "$PYTHON" -m muse.cli router --prefill "$PREFILL_URL" --decode "$DECODE_URL" \
+launch router env CUDA_VISIBLE_DEVICES= \
+    "$PYTHON" -m muse.cli router --prefill "$PREFILL_URL" --decode "$DECODE_URL" \
     --port "$PORT"
 wait_healthy router "$URL" "$LAST" || exit 1
 
@@ -155,13 +119,14 @@ PREFIX_TRACE="$OUT/shared-prefix-trace-trace.jsonl"
 AGENTIC_TRACE="$OUT/agentic-trace-trace.jsonl"
 
 replay "$URL" pd || exit 1
-cleanup
+stop_all
 
-launch tp2 "$PREFILL_GPU,$DECODE_GPU" "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" \
+launch tp2 env CUDA_VISIBLE_DEVICES="$PREFILL_GPU,$DECODE_GPU" \
+    "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" \
     "${SERVE[@]}" --tensor-parallel-size 2
 wait_healthy tp2 "$URL" "$LAST" || exit 1
 replay "$URL" tp2 || exit 1
-cleanup
+stop_all
 
 "$PYTHON" - "$OUT" "$MODEL" "$CONNECTOR" <<'PY'
 import json, sys
