@@ -11,13 +11,16 @@ Prompt sets:
 * `calibration`: the 40 varied lines of `muse/assets/calibration_prompts.txt` (arithmetic,
   code, tool requests, prose, other languages: many outside what the model was taught), each
   a user message;
-* `fp8-test`: the ten chat prompts of `tests/engine/test_fp8_kv_cache.py`.
+* `fp8-test`: the ten chat prompts of `tests/engine/test_fp8_kv_cache.py`;
+* `eval`: every prompt `muse eval` asks in its arithmetic, tool-call and instruction sections
+  (`--eval-num` held-out problems per category, each reply capped as `muse eval` caps it),
+  with each configuration's `muse eval` scores beside its agreement.
 
 Agreement: over each pair of replies, the positions where both have the same token, divided
 by the longer reply's length (a reply that parts from the other counts every later position
 as a miss, also where the two happen to realign). "identical" counts whole replies.
 
-    python benchmarks/kv_fp8_agreement.py --out kv-fp8-agreement.json   # CPU: ~3 minutes
+    python benchmarks/kv_fp8_agreement.py --out kv-fp8-agreement.json   # CPU: ~10 minutes
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch  # noqa: E402
 from benchmarks.options import parse_list, resolve_device  # noqa: E402
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from muse import LLM, SamplingParams  # noqa: E402
+from muse.eval.options import EvalSettings  # noqa: E402
+from muse.eval.run import metric, score  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +81,38 @@ def prompt_sets() -> dict[str, tuple[str, list]]:
             "fp8-test": ("chat", chats(FP8_TEST_PROMPTS))}
 
 
-SETS = ("heldout", "calibration", "fp8-test")
+SETS = ("heldout", "calibration", "fp8-test", "eval")
+EVAL_SECTIONS = ("arithmetic", "tools", "instructions")
+# The `muse eval` scores shown beside the agreement (instructions: over all kinds).
+EVAL_SCORES = ("arithmetic.overall.exact", "tools.valid", "tools.correct", "instructions")
+
+
+class RecordingLLM:
+    """An `LLM` that keeps the token ids of every reply it generates, in order, so that the
+    replies `muse eval` asks for can be compared between configurations."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+        self.replies: list[list[int]] = []
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = self._llm.generate(*args, **kwargs)
+        self.replies.extend(list(o.outputs[0].token_ids) for o in outputs)
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+
+def eval_replies(llm: LLM, num: int) -> tuple[list[list[int]], dict[str, float | None]]:
+    """The replies to `muse eval`'s text sections and the scores they earn."""
+    recorder = RecordingLLM(llm)
+    report = score(recorder, EvalSettings(num=num, sections=EVAL_SECTIONS), progress=False)
+    kinds = report["instructions"].values()
+    scores = {path: metric(report, path) for path in EVAL_SCORES[:-1]}
+    scores["instructions"] = (sum(kind["exact"] * kind["count"] for kind in kinds)
+                              / sum(kind["count"] for kind in kinds))
+    return recorder.replies, scores
 
 
 def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
@@ -93,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sets", default=",".join(SETS), type=lambda text: parse_list(text, str),
                         help=f"comma separated, of {', '.join(SETS)}")
+    parser.add_argument("--eval-num", type=int, default=20,
+                        help="`muse eval` problems per category of the eval set")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     if unknown := set(args.sets) - set(SETS):
@@ -101,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     sets = {name: prompts for name, prompts in prompt_sets().items() if name in args.sets}
     replies: dict[str, dict[str, list[list[int]]]] = {}
+    scores: dict[str, dict[str, float | None]] = {}
     for name, engine_args in CONFIGS:
         llm = LLM(args.model, device=str(device), kv_cache_memory_bytes=64 * 2**20,
                   **engine_args)
@@ -109,18 +148,26 @@ def main(argv: list[str] | None = None) -> dict:
             run = llm.chat if method == "chat" else llm.generate
             outputs = run(prompts, params, use_tqdm=False)
             replies[name][set_name] = [list(o.outputs[0].token_ids) for o in outputs]
+        if "eval" in args.sets:
+            replies[name]["eval"], scores[name] = eval_replies(llm, args.eval_num)
         llm.shutdown()
         del llm
     reference = CONFIGS[0][0]
     results = {set_name: {name: agreement(replies[reference][set_name], replies[name][set_name])
-                          for name, _ in CONFIGS[1:]} for set_name in sets}
+                          for name, _ in CONFIGS[1:]} for set_name in replies[reference]}
     record = {"environment": environment(device), "model": args.model,
-              "max_tokens": args.max_tokens, "reference": reference, "results": results}
+              "max_tokens": args.max_tokens, "eval_num": args.eval_num, "reference": reference,
+              "results": results, "eval_scores": scores}
     write_json(args.out, record)
     rows = [[set_name, name, f"{r['agreement']:.3f}", f"{r['same_tokens']}/{r['tokens']}",
              f"{r['identical_replies']}/{r['replies']}"]
             for set_name, by_name in results.items() for name, r in by_name.items()]
     print(table(["prompts", f"against {reference}", "agreement", "tokens", "identical"], rows))
+    if scores:
+        print(table(["muse eval", *EVAL_SCORES],
+                    [[name, *(f"{value:.3f}" if value is not None else "-"
+                              for value in by_path.values())]
+                     for name, by_path in scores.items()]))
     return record
 
 

@@ -232,20 +232,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     run_from_args(args)
 
 
-def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
+    """How weights and the KV cache are stored: `muse generate`, `chat` and `eval`."""
     from muse.engine.args import KV_CACHE_DTYPES
     from muse.quantization import ONLINE_FORMATS
 
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                            "float16"],
-                        help="weights and activations; auto: the checkpoint's dtype on a GPU, "
-                             "float32 on a CPU")
-    parser.add_argument("--device", default="auto",
-                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt plus reply in tokens (default: the model's limit, "
-                             "capped by the KV cache)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV-cache storage; auto: the model's dtype; fp8 / fp8_e4m3: "
                              "float8 E4M3 with per-layer scales (one byte an element: twice the "
@@ -256,6 +247,20 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", default=None, choices=list(ONLINE_FORMATS),
                         help="quantize an unquantized model as it loads, as `muse quantize "
                              "--format` would write it (default: as stored)")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                            "float16"],
+                        help="weights and activations; auto: the checkpoint's dtype on a GPU, "
+                             "float32 on a CPU")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus reply in tokens (default: the model's limit, "
+                             "capped by the KV cache)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    _add_storage_flags(parser)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0,
@@ -401,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                           help="a checkpoint folder or a preset (random weights)")
     add_eval_arguments(evaluate)
+    _add_storage_flags(evaluate)
     evaluate.set_defaults(func=cmd_eval)
 
     quantize = sub.add_parser(

@@ -18,7 +18,14 @@
 # without the web stack, install the wheels of scripts/fetch_server_wheels.sh first).
 # SESSIONS (default 128), KV_GB (default 8: about 150K tokens of global-layer KV), HOST_GB
 # (default 64), POLICIES (default "write_through write_back"), REPEATS (default 2),
-# SYSTEM_TOKENS (default 4000) and MAX_LEN (default 32768) change the run.
+# SYSTEM_TOKENS (default 4000), THINK_TIME (seconds between a session's turns, default 4:12)
+# and MAX_LEN (default 32768) change the run.
+#
+# The trace's working set is about 380K tokens. With pauses of 4-12 s about a third of the
+# sessions are in a turn at any time, so the active set fits the GPU budget and a paused
+# session's prefix is what the GPU evicts: the case a host tier serves. With THINK_TIME 0:2
+# nearly every session is in a turn and the active set alone (~310K tokens) exceeds the
+# budget: requests queue for GPU blocks with or without a tier (docs/performance.md).
 set -u
 OUT=${1:?usage: scripts/kv_tiers_h200.sh OUT}
 PYTHON=${PYTHON:-python3}
@@ -30,6 +37,7 @@ HOST_GB=${HOST_GB:-64}
 POLICIES=${POLICIES:-write_through write_back}
 REPEATS=${REPEATS:-2}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-4000}
+THINK_TIME=${THINK_TIME:-4:12}
 MAX_LEN=${MAX_LEN:-32768}
 URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
@@ -47,7 +55,7 @@ replay() {  # RUN_ID [bench flags...]
 
 KV_BYTES=$("$PYTHON" -c "print(int($KV_GB * 2**30))")
 start_server unbounded || exit 1
-replay unbounded --workload agentic --num-sessions "$SESSIONS" --turns 3:5 --think-time 0:2 \
+replay unbounded --workload agentic --num-sessions "$SESSIONS" --turns 3:5 --think-time "$THINK_TIME" \
     --system-tokens "$SYSTEM_TOKENS" --tool-result-tokens 100:1500 --output-tokens 30:300
 stop_server
 TRACE="$OUT/agentic-unbounded-trace.jsonl"

@@ -322,6 +322,24 @@ def test_kv_fp8_agreement_json(tmp_path):
     assert all(0 < row["same_tokens"] <= row["tokens"] for row in rows.values())
 
 
+def test_recording_llm_keeps_every_eval_reply(tmp_path):
+    from benchmarks.kv_fp8_agreement import eval_replies
+    from muse import LLM
+    from muse.init_checkpoint import init_random_checkpoint
+    from muse.presets import get_preset
+    checkpoint = init_random_checkpoint(get_preset("muse-spark-tiny"), tmp_path / "tiny", seed=0)
+    llm = LLM(str(checkpoint), device="cpu")
+    try:
+        replies, scores = eval_replies(llm, num=1)
+    finally:
+        llm.shutdown()
+    # One problem per category: 3 operations x 4 digit counts, the tool requests, 5 kinds.
+    assert len(replies) >= 12 + 5 and all(replies)
+    assert set(scores) == {"arithmetic.overall.exact", "tools.valid", "tools.correct",
+                           "instructions"}
+    assert all(0.0 <= value <= 1.0 for value in scores.values())
+
+
 def test_parallel_check_compares_up_to_the_first_near_tie():
     from benchmarks.parallel_check import compare
     gaps = [[1.0, 1.0, 1e-4, 1.0], [1.0, 1.0]]

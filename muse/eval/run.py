@@ -76,7 +76,7 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
     given, on the chosen sections.
 
     progress: bars on stderr; None: when it is a terminal. engine_args go to `muse.LLM`
-    (device, dtype, ...). Returns the JSON-ready report.
+    (device, dtype, kv_cache_dtype, ...). Returns the JSON-ready report.
     """
     settings = settings or EvalSettings()
     settings.validate()
@@ -85,8 +85,17 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
             check_section(section)
     started = time.monotonic()
     llm = load_llm(model, lora, **engine_args)
-    report: dict[str, Any] = {"model": str(model), "lora": lora,
-                              "settings": dataclasses.asdict(settings),
+    report: dict[str, Any] = {"model": str(model), "lora": lora, "engine_args": engine_args,
+                              **score(llm, settings, progress)}
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def score(llm: LLM | AdaptedLLM, settings: EvalSettings, progress: bool | None = None
+          ) -> dict[str, Any]:
+    """The chosen sections' metrics and examples for a model already loaded: greedy replies
+    of `llm.generate`, so a wrapper of the LLM (an adapter, a recorder) is scored the same."""
+    report: dict[str, Any] = {"settings": dataclasses.asdict(settings),
                               "device": str(llm.engine.device), "dtype": str(llm.engine.dtype)}
     sections: dict[str, SectionResult] = {}
     if "arithmetic" in settings.sections:
@@ -122,7 +131,6 @@ def evaluate(model: str, settings: EvalSettings | None = None, progress: bool | 
                                            settings.seed, settings.unigram_chars,
                                            settings.python_packages, progress)
     report["examples"] = {name: section.examples for name, section in sections.items()}
-    report["seconds"] = round(time.monotonic() - started, 1)
     return report
 
 
@@ -169,7 +177,11 @@ def _media_lines(section: str, cells: Mapping[str, Any]) -> list[str]:
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), "
+    storage = report.get("engine_args", {})
+    stored = "".join(f", {label} {storage[key]}" for key, label in
+                     (("quantization", "weights"), ("kv_cache_dtype", "KV cache"))
+                     if storage.get(key) not in (None, "auto"))
+    lines = [f"model {report['model']} on {report['device']} ({report['dtype']}{stored}), "
              f"{report['seconds']} s"]
     if "arithmetic" in report:
         digits = range(1, report["settings"]["max_digits"] + 1)
@@ -230,7 +242,10 @@ def run_from_args(args: argparse.Namespace) -> None:
         unigram_chars=args.unigram_chars, python_packages=args.python_packages)
     report = evaluate(args.model, settings, progress=args.progress, lora=args.lora,
                       device=args.device, dtype=args.dtype,
-                      gpu_memory_utilization=args.gpu_memory_utilization)
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      kv_cache_dtype=args.kv_cache_dtype,
+                      calculate_kv_scales=args.calculate_kv_scales,
+                      quantization=args.quantization)
     report["command"] = sys.argv
     print(format_table(report))
     failures = failed_bars(report, {path: bar for path, bar in ACCEPTANCE_BARS.items()

@@ -51,6 +51,18 @@ def test_eval_writes_every_figure(checkpoint: Path, tmp_path: Path,
     assert "arithmetic, exact match" in printed and "acceptance bars:" in printed
 
 
+def test_eval_scores_with_the_storage_flags(checkpoint: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "eval.json"
+    main(["eval", str(checkpoint), *SMALL, "--sections", "arithmetic", "--kv-cache-dtype", "fp8",
+          "--calculate-kv-scales", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["engine_args"]["kv_cache_dtype"] == "fp8"
+    assert report["engine_args"]["calculate_kv_scales"] is True
+    assert report["arithmetic"]["overall"]["count"] > 0
+    assert "KV cache fp8" in capsys.readouterr().out
+
+
 def test_sorting_section_reports_every_list_length(checkpoint: Path) -> None:
     report = evaluate(str(checkpoint), EvalSettings(num=2, max_tokens=6, sections=("sorting",)),
                       device="cpu")
