@@ -19,8 +19,9 @@ transposed; the weight goes in column-major (`weight.t()` of the row-major `[N, 
 multiples of 16; the output is bfloat16, cast to x's dtype, and the bias is added after.
 
 `fp8_linear_torch` is its plain-PyTorch twin (any device): the same activation quantization
-(the same functions), then dequantized operands multiplied in float32 and rounded to x's
-dtype. The two differ only in accumulation order and the GEMM's bfloat16 output rounding.
+(the same rounding; on CUDA the rowwise case runs as one Triton launch,
+`muse.kernels.fp8_quant_triton`), then dequantized operands multiplied in float32 and rounded
+to x's dtype. The two differ only in accumulation order and the GEMM's bfloat16 output rounding.
 
 `scaled_mm_supported(device, block)` says whether the FP8 GEMM runs on a device: the compute
 capability, then, once per device and scaling kind, a small probe GEMM compared with the
@@ -111,7 +112,10 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     grid (block = (128, 128)). No host synchronisation (CUDA-graph capturable)."""
     flat = x.reshape(-1, x.shape[-1])
     if block is None:
-        quantized, scale_a = quantize_fp8_per_token(flat, input_scale)
+        # Imported here: that module takes its constants from this one.
+        from muse.kernels.fp8_quant_triton import quantize_fp8_per_token_triton
+
+        quantized, scale_a = quantize_fp8_per_token_triton(flat, input_scale)
         scale_b = weight_scale.reshape(1, -1)
     else:
         if tuple(block) != SCALED_MM_BLOCK or input_scale is not None:
