@@ -126,6 +126,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
             "seed": args.seed, "enforce_eager": args.enforce_eager,
+            "prefill_graph_max_tokens": args.prefill_graph_max_tokens,
             "overlap_schedule": not args.disable_overlap_schedule,
             "kv_cache_dtype": args.kv_cache_dtype,
             "calculate_kv_scales": args.calculate_kv_scales,
@@ -276,6 +277,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs for decode batches) "
                              "(default: off)")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+                        help="one-request prefill steps of up to this many tokens replay "
+                             "captured CUDA graphs (padded to the next of 16, 24, 32, 48, ...); "
+                             "0: they run eagerly")
     parser.add_argument("--speculative-config", default=None,
                         help="speculative decoding as JSON, vLLM's names, e.g. "
                              "'{\"method\": \"dspark\"}' for the shipped drafter "

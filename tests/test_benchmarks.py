@@ -302,6 +302,21 @@ def test_kv_offload_copies_json(tmp_path):
             assert positive(row[phase]["host_ms"]) and row[phase]["compute_ms"] is None
 
 
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="no shipped checkpoint in this tree")
+def test_batch1_steps_splits_prefill_from_decode(tmp_path):
+    from benchmarks import batch1_steps
+    out = tmp_path / "steps.json"
+    record = batch1_steps.main(["--device", "cpu", "--prompts", "2", "--max-tokens", "6",
+                                "--out", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == record["results"].keys()
+    for mode in ("plain", "speculative"):
+        result = record["results"][mode]
+        assert result["prefill"]["steps"] == 2  # one prompt at a time, each one step
+        assert result["decode"]["steps"] >= 1 and result["output_tokens"] > 0
+    assert record["results"]["speedup"] > 0
+
+
 def test_kv_fp8_agreement_counts_parted_replies_as_misses():
     from benchmarks.kv_fp8_agreement import agreement
     got = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4, 7], [5, 6]])

@@ -65,6 +65,8 @@ class EngineArgs:
     quantization: str | None = None
     init_std: float | None = None  # weight scale of a preset's random weights
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
+    # One-request prefill steps of up to this many tokens replay captured graphs too (0: none).
+    prefill_graph_max_tokens: int = 512
     # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
     overlap_schedule: bool = True
     # Structured output: a grammar not compiled this long after its request arrived fails
@@ -182,6 +184,11 @@ class EngineArgs:
         ec = ECTransferConfig.parse(self.ec_transfer_config)
         if ec is not None and ec.encodes_only and self.parallel_config().world_size > 1:
             raise ValueError("an encoder instance (`ec_role`: ec_producer) runs on one rank")
+        if isinstance(self.prefill_graph_max_tokens, bool) \
+                or not isinstance(self.prefill_graph_max_tokens, int) \
+                or self.prefill_graph_max_tokens < 0:
+            raise ValueError("`prefill_graph_max_tokens` must be a non-negative integer, got "
+                             f"{self.prefill_graph_max_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode and verify steps.
+"""CUDA graphs for decode, verify and one-request prefill steps.
 
 A decode step runs a few dozen small kernels per layer; at small batches the GPU finishes each
 in microseconds and the host's launches set the pace. So the decode forward of each batch-size
@@ -15,6 +15,11 @@ give every request 1 + k query rows: a request with fewer tokens is padded after
 one by tokens that write the null block's slot and whose positions continue its own. Its
 context length counts them, so its real queries keep their positions and see only real keys
 (causal), and only padding queries read the slots they would have filled.
+
+A prefill step of one request (a chat's prompt at batch 1, the last chunk of a long one)
+runs a few hundred eager launches, which at batch 1 take longer than its GPU work. Graphs of
+query lengths 16 to `prefill_graph_max_tokens` (`prefill_query_lens`) with one request each
+take such steps the same way, padded like a verify step to the next captured length.
 
 With LoRA adapters (`enable_lora`) every graph also reads each request's adapter slot from a
 static row (-1: the base model, and for padding), so steps mixing adapters and the base
@@ -39,6 +44,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     """Captured batch sizes: fine steps where small batches are common, coarser above."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, 1025, 32))
     return [s for s in sizes if s < max_batch] + [max_batch]
+
+
+def prefill_query_lens(max_tokens: int, above: int) -> list[int]:
+    """Query lengths of the one-request prefill graphs: powers of two and the halves between
+    them (a prompt is padded by less than half its length) from 16 up to `max_tokens`
+    (itself included), those not above `above` (the verify graphs cover them) left out."""
+    lengths = [16 * 2 ** (i // 2) * (3 if i % 2 else 2) // 2 for i in range(40)]
+    chosen = [q for q in lengths if above < q < max_tokens]
+    return chosen + [max_tokens] if max_tokens > above and max_tokens >= 16 else chosen
 
 
 class DecodeGraphs:
@@ -91,9 +105,11 @@ class DecodeGraphs:
         return self.input_ids[:tokens], meta
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: tuple | None = None) -> None:
+        """Capture every bucket's graph, into the memory pool `pool` if given (graphs that
+        never replay at once may share one: capture the largest first)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory the larger ones took.
         for size in reversed(self.buckets):
             # The warm-up run compiles kernels and settles allocations outside the capture.
@@ -108,7 +124,7 @@ class DecodeGraphs:
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
-                    "decode" if self.query_len == 1 else f"{self.query_len}-token verify",
+                    "decode" if self.query_len == 1 else f"{self.query_len}-token",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
 
     def covers(self, batch: HostBatch) -> bool:

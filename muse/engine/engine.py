@@ -23,7 +23,7 @@ from muse.disagg.engine_kv import EngineKV, enter_blocks
 from muse.disagg.kv_import import check_kv_transfer_params
 from muse.disagg.transport import KVTransferError
 from muse.engine.args import EngineArgs
-from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.cuda_graphs import DecodeGraphs, prefill_query_lens
 from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
 from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.metadata import HostBatch
@@ -489,8 +489,8 @@ class EngineCore:
 
     def _graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> list[DecodeGraphs]:
-        """Captured decode graphs and, with speculation, verify graphs of each query length
-        (and the drafter's), on CUDA unless `enforce_eager`."""
+        """Captured decode graphs, with speculation verify graphs of each query length (and
+        the drafter's), and one-request prefill graphs, on CUDA unless `enforce_eager`."""
         # Emulated W4A4 experts ask the host for their expert counts: not capturable.
         if self.device.type != "cuda" or self.args.enforce_eager or self.world_size > 1 \
                 or self.args.quantization_emulate_activations:
@@ -498,16 +498,17 @@ class EngineCore:
         block_size, max_batch = self.args.block_size, self.args.max_num_seqs
         full_width = -(-self.max_model_len // block_size)
 
-        def capture(query_len: int) -> DecodeGraphs:
+        def capture(query_len: int, batch: int = max_batch, pool: tuple | None = None
+                    ) -> DecodeGraphs:
             widths = {kind: full_width for kind in self.num_blocks}
             if SLIDING in widths:
                 # The queries need the blocks of their windows, which straddle at most two
                 # more than the window and the queries span.
                 span = self.config.sliding_window + query_len - 1
                 widths[SLIDING] = min(full_width, -(-span // block_size) + 2)
-            graphs = DecodeGraphs(self.model, kv_caches, widths, max_batch, block_size,
+            graphs = DecodeGraphs(self.model, kv_caches, widths, batch, block_size,
                                   self.device, query_len)
-            graphs.capture()
+            graphs.capture(pool)
             return graphs
 
         graphs = [capture(1)]
@@ -516,6 +517,12 @@ class EngineCore:
                 self.proposer.capture_graphs(max_batch, full_width, self.device)
             graphs += [capture(q) for q in
                        verify_query_lens(self.speculative.num_speculative_tokens)]
+        longest = min(self.args.prefill_graph_max_tokens, self.args.max_num_batched_tokens,
+                      self.max_model_len)
+        # One memory pool for the prefill graphs, the longest captured first.
+        pool = torch.cuda.graph_pool_handle()
+        graphs += [capture(q, batch=1, pool=pool) for q in
+                   reversed(prefill_query_lens(longest, above=graphs[-1].query_len))]
         return graphs
 
     # ---- requests ------------------------------------------------------------------------

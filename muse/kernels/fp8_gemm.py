@@ -20,7 +20,7 @@ multiples of 16; the output is bfloat16, cast to x's dtype, and the bias is adde
 
 `fp8_linear_torch` is its plain-PyTorch twin (any device): the same activation quantization
 (the same rounding; on CUDA the rowwise case runs as one Triton launch,
-`muse.kernels.fp8_quant_triton`), then dequantized operands multiplied in float32 and rounded
+`muse.kernels.fp8_quant_triton`, tested against it byte for byte), then dequantized operands multiplied in float32 and rounded
 to x's dtype. The two differ only in accumulation order and the GEMM's bfloat16 output rounding.
 
 `scaled_mm_supported(device, block)` says whether the FP8 GEMM runs on a device: the compute
@@ -115,7 +115,8 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         # Imported here: that module takes its constants from this one.
         from muse.kernels.fp8_quant_triton import quantize_fp8_per_token_triton
 
-        quantized, scale_a = quantize_fp8_per_token_triton(flat, input_scale)
+        quantize = quantize_fp8_per_token_triton if flat.is_cuda else quantize_fp8_per_token
+        quantized, scale_a = quantize(flat, input_scale)
         scale_b = weight_scale.reshape(1, -1)
     else:
         if tuple(block) != SCALED_MM_BLOCK or input_scale is not None:

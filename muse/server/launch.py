@@ -104,6 +104,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
              "write it (default: as stored)")
     add("--enforce-eager", action="store_true",
         help="run every step eagerly, no CUDA graphs for decode batches (default: off)")
+    add("--prefill-graph-max-tokens", type=int, default=512,
+        help="one-request prefill steps of up to this many tokens replay captured CUDA graphs "
+             "(padded to the next of 16, 24, 32, 48, ...); 0: they run eagerly (default: 512)")
     add("--disable-overlap-schedule", action="store_true",
         help="read each step back before launching the next (default: off: the next step "
              "is launched first, so host work overlaps the GPU)")
@@ -266,6 +269,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         overlap_schedule=not args.disable_overlap_schedule,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,

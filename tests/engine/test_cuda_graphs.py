@@ -1,10 +1,11 @@
-"""Decode CUDA graphs: bucket choice, padded metadata, and replay equal to eager steps."""
+"""Decode, verify and prefill CUDA graphs: bucket choice, padded metadata, and replay equal
+to eager steps."""
 
 import pytest
 import torch
 
 from muse import LLM, SamplingParams
-from muse.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from muse.engine.cuda_graphs import DecodeGraphs, batch_buckets, prefill_query_lens
 from muse.engine.metadata import HostBatch
 from tests.engine.helpers import assert_greedy_is_well_defined, assert_same_outputs, mixed_prompts
 
@@ -14,6 +15,15 @@ def test_buckets_cover_every_batch_size():
         buckets = batch_buckets(largest)
         assert buckets == sorted(set(buckets)) and buckets[-1] == largest
         assert all(any(b >= n for b in buckets) for n in range(1, largest + 1))
+
+
+def test_prefill_lengths_pad_by_less_than_half_and_end_at_the_limit():
+    lengths = prefill_query_lens(512, above=1)
+    assert lengths[0] == 16 and lengths[-1] == 512 and lengths == sorted(set(lengths))
+    assert all(b < 1.5 * a + 1 for a, b in zip(lengths, lengths[1:]))
+    assert prefill_query_lens(300, above=8)[-2:] == [256, 300]
+    assert prefill_query_lens(512, above=32)[0] == 48  # the verify graphs hold up to 32
+    assert prefill_query_lens(0, above=1) == [] == prefill_query_lens(12, above=8)
 
 
 def test_host_batch_pads_block_tables_with_the_null_block():
@@ -116,3 +126,63 @@ def test_padded_verify_graph_inputs_give_the_eager_hidden_states():
     with torch.inference_mode():
         padded = engine.model(*graphs._inputs(size), kv_caches)
     torch.testing.assert_close(padded[graphs.real_rows[:7]], eager, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_prefill_graph_inputs_give_the_eager_hidden_states():
+    """A one-request prefill step (after a prefix-cache hit, so its positions start past 0)
+    padded to a prefill graph's query length: its real rows get the eager step's hidden
+    states; two requests' prefill, or one longer than the graph, is not taken."""
+    llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", device="cpu",
+              enforce_eager=True, max_num_seqs=8)
+    engine = llm.engine
+    shared = mixed_prompts(8192, 32, count=1, seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([shared], params)  # caches the first 32 tokens' blocks
+    engine.add_request("r", shared + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], params)
+    scheduled = engine.scheduler.schedule().scheduled
+    new_tokens = scheduled[0].num_new_tokens
+    assert len(scheduled) == 1 and 8 < new_tokens < 42  # after the cached blocks
+    runner, kv_caches, batch, eager = eager_step(engine, scheduled)
+    assert batch.positions[0] > 0
+
+    widths = {kind: 40 for kind in engine.kv_cache.pools}
+    graphs = DecodeGraphs(engine.model, kv_caches, widths, 1, runner.block_size,
+                          engine.device, query_len=48)
+    assert DecodeGraphs(engine.model, kv_caches, widths, 1, runner.block_size,
+                        engine.device, query_len=8).prepare(batch) is None  # too short
+    assert graphs.prepare(batch) == 1
+    assert graphs.real_rows[:new_tokens].tolist() == list(range(new_tokens))
+    with torch.inference_mode():
+        padded = engine.model(*graphs._inputs(1), kv_caches)
+    torch.testing.assert_close(padded[:new_tokens], eager, atol=1e-5, rtol=1e-5)
+
+    two = HostBatch(kinds=["full_attention"], max_query_len=3, input_ids=[1, 2, 3, 4, 5, 6],
+                    positions=[0, 1, 2, 0, 1, 2], token_request=[0, 0, 0, 1, 1, 1],
+                    query_start=[0, 3, 6], seq_lens=[3, 3],
+                    slots={"full_attention": [16, 17, 18, 32, 33, 34]},
+                    tables={"full_attention": [[1], [2]]},
+                    first_blocks={"full_attention": [0, 0]})
+    full = DecodeGraphs(engine.model, kv_caches, {"full_attention": 40}, 1, runner.block_size,
+                        engine.device, query_len=16)
+    assert not full.covers(two)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_prefill_graph_replays_match_eager_prefills():
+    """Prompts of 5 to 300 tokens, one request at a time: every prefill replays a prefill
+    graph (or, up to the verify length, a verify graph), and the outputs, logprobs and prompt
+    logprobs included, equal the eager engine's."""
+    prompts = [p[:n] for p, n in zip(mixed_prompts(8192, 300, count=6, seed=9),
+                                     (5, 17, 40, 100, 257, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1,
+                            ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", enforce_eager=eager,
+                  max_num_seqs=4, enable_prefix_caching=False)
+        outputs[eager] = [llm.generate([prompt], params)[0] for prompt in prompts]
+        if not eager:
+            prefill = [g for g in llm.engine.runner.executor.worker.graphs if g.query_len > 1]
+            assert prefill[0].query_len == 16 and prefill[-1].query_len == 512
+            assert sum(g.replays for g in prefill) == len(prompts)  # every prefill step
+    assert_same_outputs(outputs[False], outputs[True])

@@ -1,0 +1,110 @@
+"""Where a batch-1 generation's wall time goes: prefill steps against decode (or verify)
+steps, plain and speculative, on the shipped model.
+
+Held-out chat prompts of the default model's task families (as `spec_decode.py` draws them)
+run one after the other, each to its end of turn (up to --max-tokens), after an untimed
+pass over the same prompts. Every `engine.step()` is timed and counted as a prefill step
+when some request still had prompt tokens to compute before it. Prefix caching is off, so
+every prompt is prefilled in the timed pass too.
+
+    python benchmarks/batch1_steps.py --out batch1-steps.json        # needs a GPU to mean much
+    python benchmarks/batch1_steps.py --device cpu --prompts 2 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.options import resolve_device  # noqa: E402
+from benchmarks.report import environment, table, write_json  # noqa: E402
+from benchmarks.spec_decode import held_out_prompts  # noqa: E402
+from muse import LLM, SamplingParams  # noqa: E402
+from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
+
+MODES = {"plain": None, "speculative": {"method": "dspark"}}
+
+
+def prefilling(engine: Any) -> bool:
+    scheduler = engine.scheduler
+    return any(r.num_computed_tokens < r.num_prompt_tokens
+               for r in [*scheduler.waiting, *scheduler.running])
+
+
+def run_mode(args: argparse.Namespace, device: torch.device, speculative: dict | None
+             ) -> dict[str, Any]:
+    llm = LLM(args.model, device=str(device), speculative_config=speculative,
+              enable_prefix_caching=False,
+              prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+    prompts = held_out_prompts(llm.tokenizer, 4, args.prompts, args.seed).mix[:args.prompts]
+    llm.tokenizer = None  # token ids in and out: no detokenizing per step
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+    def run() -> int:
+        return sum(len(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                       .outputs[0].token_ids) for ids in prompts)
+
+    run()  # kernels compile at new sizes
+    engine, steps = llm.engine, []
+    step = engine.step
+
+    def timed_step() -> Any:
+        before = prefilling(engine)
+        start = time.perf_counter()
+        out = step()
+        steps.append((before, time.perf_counter() - start))
+        return out
+
+    engine.step = timed_step
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    tokens = run()
+    synchronize()
+    wall = time.perf_counter() - start
+    llm.shutdown()
+    record: dict[str, Any] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
+                              "outside_steps_s": wall - sum(t for _, t in steps)}
+    for name, want in (("prefill", True), ("decode", False)):
+        times = [t for kind, t in steps if kind == want]
+        record[name] = {"steps": len(times), "total_s": sum(times),
+                        "mean_ms": 1e3 * sum(times) / max(1, len(times))}
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(SHIPPED_CHECKPOINT))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+                        help="as the engine flag; 0 runs prefill steps eagerly")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    results = {mode: run_mode(args, device, spec) for mode, spec in MODES.items()}
+    results["speedup"] = results["plain"]["wall_s"] / results["speculative"]["wall_s"]
+    record = {"environment": environment(device), "model": args.model,
+              "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "prefill_graph_max_tokens": args.prefill_graph_max_tokens, "results": results}
+    write_json(args.out, record)
+    rows = [[mode, f"{r['wall_s'] * 1e3:.1f}", f"{r['tok_s']:.0f}",
+             f"{r['prefill']['steps']} x {r['prefill']['mean_ms']:.2f}",
+             f"{r['decode']['steps']} x {r['decode']['mean_ms']:.3f}"]
+            for mode, r in results.items() if mode in MODES]
+    print(table(["mode", "wall ms", "tok/s", "prefill steps x ms", "decode steps x ms"], rows))
+    print(f"speedup {results['speedup']:.2f}x")
+    return record
+
+
+if __name__ == "__main__":
+    main()
