@@ -20,8 +20,9 @@ multiples of 16; the output is bfloat16, cast to x's dtype, and the bias is adde
 
 `fp8_linear_torch` is its plain-PyTorch twin (any device): the same activation quantization
 (the same rounding; on CUDA the rowwise case runs as one Triton launch,
-`muse.kernels.fp8_quant_triton`, tested against it byte for byte), then dequantized operands multiplied in float32 and rounded
-to x's dtype. The two differ only in accumulation order and the GEMM's bfloat16 output rounding.
+`muse.kernels.fp8_quant_triton`, tested against it byte for byte), then dequantized operands
+multiplied in float32 and rounded to x's dtype. The two differ only in accumulation order and
+the GEMM's bfloat16 output rounding.
 
 `scaled_mm_supported(device, block)` says whether the FP8 GEMM runs on a device: the compute
 capability, then, once per device and scaling kind, a small probe GEMM compared with the
