@@ -317,6 +317,17 @@ def test_batch1_steps_splits_prefill_from_decode(tmp_path):
     assert record["results"]["speedup"] > 0
 
 
+def test_host_step_times_decode_steps_without_the_model(tmp_path):
+    from benchmarks import host_step
+    from muse.engine.worker import ModelWorker
+    execute = ModelWorker.execute
+    record = host_step.main(["--requests", "8", "--steps", "4", "--out",
+                             str(tmp_path / "host.json")])
+    assert ModelWorker.execute is execute  # the real forward is back
+    assert record["requests"] == 8 and record["host_ms_median"] > 0
+    assert json.loads((tmp_path / "host.json").read_text())["steps"] == 4
+
+
 def test_kv_fp8_agreement_counts_parted_replies_as_misses():
     from benchmarks.kv_fp8_agreement import agreement
     got = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4, 7], [5, 6]])
