@@ -47,9 +47,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def prefill_query_lens(max_tokens: int, above: int) -> list[int]:
-    """Query lengths of the one-request prefill graphs: powers of two and the halves between
-    them (a prompt is padded by less than half its length) from 16 up to `max_tokens`
-    (itself included), those not above `above` (the verify graphs cover them) left out."""
+    """Query lengths of the one-request prefill graphs: the powers of two and 1.5 times each
+    (16, 24, 32, 48, ...: a prompt is padded by less than half its length) up to
+    `max_tokens` (itself included), those not above `above` (the verify graphs cover them)
+    left out."""
     lengths = [16 * 2 ** (i // 2) * (3 if i % 2 else 2) // 2 for i in range(40)]
     chosen = [q for q in lengths if above < q < max_tokens]
     return chosen + [max_tokens] if max_tokens > above and max_tokens >= 16 else chosen
