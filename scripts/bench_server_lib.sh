@@ -54,7 +54,7 @@ start_server() {  # NAME [serve flags...]: start `muse serve` on PORT and wait f
     launch "$name" "$PYTHON" -m muse.cli serve "$MODEL" --port "$PORT" --max-model-len "$MAX_LEN" \
         "${extra[@]}" "$@"
     SERVER=$LAST
-    wait_healthy "server $name" "$URL" "$SERVER"
+    wait_healthy "$name" "$URL" "$SERVER"
 }
 
 stop_server() {

@@ -20,7 +20,8 @@
 # (default 64), POLICIES (default "write_through write_back"), REPEATS (default 2),
 # SYSTEM_TOKENS (default 4000), THINK_TIME (seconds between a session's turns, default 0:2),
 # TOOL_RESULT_TOKENS (default 100:1500), RATE (sessions arriving per second; default: all
-# at once) and MAX_LEN (default 32768) change the run.
+# at once), TIERS_FIRST (set: each repeat runs the host tiers before GPU-only) and MAX_LEN
+# (default 32768) change the run.
 #
 # With the defaults the trace's working set is about 370K tokens and nearly every session is
 # in a turn at once: the active set alone (~310K tokens) exceeds the GPU budget, so requests
@@ -65,16 +66,25 @@ replay unbounded --workload agentic --num-sessions "$SESSIONS" --turns 3:5 --thi
     --system-tokens "$SYSTEM_TOKENS" --tool-result-tokens "$TOOL_RESULT_TOKENS" --output-tokens 30:300
 stop_server
 TRACE="$OUT/agentic-unbounded-trace.jsonl"
-for REPEAT in $(seq 1 "$REPEATS"); do
-    start_server "gpu-only-$REPEAT" --kv-cache-memory-bytes "$KV_BYTES" || exit 1
-    replay "gpu-only-$REPEAT" --trace "$TRACE"
+gpu_only() {  # REPEAT
+    start_server "gpu-only-$1" --kv-cache-memory-bytes "$KV_BYTES" || exit 1
+    replay "gpu-only-$1" --trace "$TRACE"
     stop_server
+}
+host_tiers() {  # REPEAT
     for POLICY in $POLICIES; do
-        start_server "host-tier-$POLICY-$REPEAT" --kv-cache-memory-bytes "$KV_BYTES" \
+        start_server "host-tier-$POLICY-$1" --kv-cache-memory-bytes "$KV_BYTES" \
             --kv-offload-gb "$HOST_GB" --kv-offload-write-policy "$POLICY" || exit 1
-        replay "host-tier-$POLICY-$REPEAT" --trace "$TRACE"
+        replay "host-tier-$POLICY-$1" --trace "$TRACE"
         stop_server
     done
+}
+for REPEAT in $(seq 1 "$REPEATS"); do
+    if [ -n "${TIERS_FIRST:-}" ]; then  # the other order
+        host_tiers "$REPEAT"; gpu_only "$REPEAT"
+    else
+        gpu_only "$REPEAT"; host_tiers "$REPEAT"
+    fi
 done
 
 "$PYTHON" - "$OUT" "$REPEATS" $POLICIES <<'PY'
