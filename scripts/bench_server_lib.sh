@@ -5,7 +5,8 @@
 #
 # Every process started here runs in a session of its own (setsid) and is listed in PIDS, so
 # that one which ignores SIGTERM is killed together with its engine and rank processes, and
-# `trap stop_all EXIT` leaves nothing behind when a script fails half-way.
+# `stop_all_at_exit` leaves nothing behind when a script fails half-way or is cut by a
+# timeout.
 
 PIDS=""
 
@@ -46,6 +47,12 @@ stop_all() {
     # shellcheck disable=SC2086  # PIDS is a list of numbers
     stop_pids $PIDS
     PIDS=""
+}
+
+stop_all_at_exit() {  # every server started here is stopped when the script ends, however
+    trap stop_all EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM  # `timeout` sends TERM: exit, so that the EXIT trap runs
 }
 
 start_server() {  # NAME [serve flags...]: start `muse serve` on PORT and wait for /health

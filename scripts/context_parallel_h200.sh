@@ -56,9 +56,7 @@ export PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/bench_server_lib.sh
 source scripts/bench_server_lib.sh
-trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+stop_all_at_exit
 # A CPU dry run's device, beside SERVE_FLAGS (start_server adds them to both servers).
 [ -n "${DEVICE:-}" ] && SERVE_FLAGS="${SERVE_FLAGS:-} --device $DEVICE"
 

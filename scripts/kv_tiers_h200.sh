@@ -51,6 +51,7 @@ export PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/bench_server_lib.sh
 source scripts/bench_server_lib.sh
+stop_all_at_exit
 
 if [ -n "$RATE" ]; then LOAD=(--request-rate "$RATE"); else LOAD=(--concurrency "$SESSIONS"); fi
 replay() {  # RUN_ID [bench flags...]

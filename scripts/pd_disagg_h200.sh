@@ -64,9 +64,7 @@ export PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/bench_server_lib.sh
 source scripts/bench_server_lib.sh
-trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+stop_all_at_exit
 # Flags of every instance: the context, the device (a CPU dry run) and SERVE_FLAGS.
 SERVE=(--max-model-len "$MAX_LEN")
 [ -n "${DEVICE:-}" ] && SERVE+=(--device "$DEVICE")

@@ -23,6 +23,7 @@ export PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/bench_server_lib.sh
 source scripts/bench_server_lib.sh
+stop_all_at_exit
 
 bench() {
     "$PYTHON" -m muse.cli bench serve --base-url "$URL" --output-dir "$OUT" --no-progress "$@"
