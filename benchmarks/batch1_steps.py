@@ -9,6 +9,11 @@ every prompt is prefilled in the timed pass too.
 
     python benchmarks/batch1_steps.py --out batch1-steps.json        # needs a GPU to mean much
     python benchmarks/batch1_steps.py --device cpu --prompts 2 --max-tokens 16
+
+--profile FILE adds two more passes of each mode after the timed one, one under cProfile and
+one under torch.profiler, and writes to FILE the Python functions by cumulative time and the
+operators by self host time and by device time: where a step's time goes (the timed figures
+are from the pass without profilers).
 """
 
 from __future__ import annotations
@@ -36,6 +41,37 @@ def prefilling(engine: Any) -> bool:
     scheduler = engine.scheduler
     return any(r.num_computed_tokens < r.num_prompt_tokens
                for r in [*scheduler.waiting, *scheduler.running])
+
+
+def profile_pass(run: Any, device: torch.device, title: str, path: Path) -> None:
+    """Two more passes, under cProfile and torch.profiler; their tables appended to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    python = cProfile.Profile()
+    python.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("cumulative").print_stats(50)
+    with path.open("a") as out:
+        out.write(f"== {title}: Python functions by cumulative time\n{text.getvalue()}\n")
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run()
+    averages = prof.key_averages()
+    sections = [("self host time", "self_cpu_time_total")]
+    if device.type == "cuda":
+        sections.append(("device time", "self_device_time_total"))
+    with path.open("a") as out:
+        for name, key in sections:
+            out.write(f"== {title}: operators by {name}\n")
+            out.write(averages.table(sort_by=key, row_limit=30, max_name_column_width=60))
+            out.write("\n")
 
 
 def run_mode(args: argparse.Namespace, device: torch.device, speculative: dict | None
@@ -69,6 +105,9 @@ def run_mode(args: argparse.Namespace, device: torch.device, speculative: dict |
     tokens = run()
     synchronize()
     wall = time.perf_counter() - start
+    engine.step = step
+    if args.profile:
+        profile_pass(run, device, "speculative" if speculative else "plain", Path(args.profile))
     llm.shutdown()
     record: dict[str, Any] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
                               "outside_steps_s": wall - sum(t for _, t in steps)}
@@ -89,7 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=512,
                         help="as the engine flag; 0 runs prefill steps eagerly")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--profile", default=None,
+                        help="text file for one more pass of each mode under torch.profiler")
     args = parser.parse_args(argv)
+    if args.profile:
+        Path(args.profile).write_text("")
     device = resolve_device(args.device)
     results = {mode: run_mode(args, device, spec) for mode, spec in MODES.items()}
     results["speedup"] = results["plain"]["wall_s"] / results["speculative"]["wall_s"]

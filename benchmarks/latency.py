@@ -114,6 +114,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: Roofline) -> dict
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         overlap_schedule=not args.disable_overlap_schedule, **parallel_engine_args(args))
     first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     full = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)

@@ -77,6 +77,9 @@ def add_muse_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                             help="tokens per engine step (default: the engine's)")
     muse_group.add_argument("--enforce-eager", action="store_true",
                             help="no CUDA graphs (where the engine has them)")
+    muse_group.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                            help="longest one-request prefill step replayed from a CUDA "
+                                 "graph (default: the engine's; 0: none)")
     return muse_group
 
 
