@@ -41,8 +41,9 @@ def check_environment(record: dict) -> None:
 def test_latency_json(tmp_path):
     out = tmp_path / "latency.json"
     record = latency.main([*TINY, "--lengths", "32", "--decode-tokens", "8", "--repeats", "2",
-                           "--out", str(out)])
+                           "--prefill-graph-max-tokens", "0", "--out", str(out)])
     assert json.loads(out.read_text())["benchmark"] == "latency"
+    assert record["results"]["muse"]["engine"]["engine_args"]["prefill_graph_max_tokens"] == 0
     check_environment(record)
     for engine in ("muse", "transformers"):
         result = record["results"][engine]
@@ -307,9 +308,13 @@ def test_kv_offload_copies_json(tmp_path):
 def test_batch1_steps_splits_prefill_from_decode(tmp_path):
     from benchmarks import batch1_steps
     out = tmp_path / "steps.json"
+    profile = tmp_path / "profile.txt"
     record = batch1_steps.main(["--device", "cpu", "--prompts", "2", "--max-tokens", "6",
-                                "--out", str(out)])
+                                "--out", str(out), "--profile", str(profile)])
     assert json.loads(out.read_text())["results"].keys() == record["results"].keys()
+    sections = [line for line in profile.read_text().splitlines() if line.startswith("== ")]
+    assert sections == [f"== {mode}: {what}" for mode in ("plain", "speculative") for what in
+                        ("Python functions by cumulative time", "operators by self host time")]
     for mode in ("plain", "speculative"):
         result = record["results"][mode]
         assert result["prefill"]["steps"] == 2  # one prompt at a time, each one step
