@@ -32,6 +32,7 @@ from benchmarks.options import resolve_device  # noqa: E402
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from benchmarks.spec_decode import held_out_prompts  # noqa: E402
 from muse import LLM, SamplingParams  # noqa: E402
+from muse.engine.args import EngineArgs  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
 
 MODES = {"plain": None, "speculative": {"method": "dspark"}}
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+    parser.add_argument("--prefill-graph-max-tokens", type=int,
+                        default=EngineArgs.prefill_graph_max_tokens,
                         help="as the engine flag; 0 runs prefill steps eagerly")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--profile", default=None,

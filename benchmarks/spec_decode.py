@@ -99,7 +99,8 @@ NOTES = {
              "off (each step read back before the next; draft and verify passes in CUDA "
              "graphs on a GPU); adaptive: the same with enable_adaptive_verification",
     "speed_workload": "max(1, speed_requests // C) waves of C prompts of the held-out mix "
-                      "(the default model's task mix; wave w takes the next C), one "
+                      "(the default model's task mix, its prompts of the families above; "
+                      "wave w takes the next C), one "
                       "llm.generate each, its C requests submitted at once; greedy, up to "
                       "max_tokens output tokens each (exactly, past the end of turn, with "
                       "ignore_eos); the engine's max_num_seqs is at least C",
@@ -220,7 +221,10 @@ class Prompts:
 
 
 def held_out_prompts(tokenizer: Any, per_family: int, mix_size: int, seed: int) -> Prompts:
-    """`per_family` distinct prompts of each family and the first `mix_size` of the stream."""
+    """`per_family` distinct prompts of each family and the first `mix_size` of the stream
+    that are of those families. The stream follows the training mix of the default model's
+    data generators, which also holds tasks the shipped model was never taught (the next
+    version's unseen tools): prompts of those would measure that, not speculation."""
     num = max(6 * per_family, mix_size)
     source = "muse.train.drafter_data.sample_prompts"
     while True:
@@ -229,15 +233,18 @@ def held_out_prompts(tokenizer: Any, per_family: int, mix_size: int, seed: int) 
         seen: set[tuple[int, ...]] = set()
         mix = []
         for prompt in drawn:
+            group = families.get(prompt.task)
+            if group is None:
+                continue
             ids = list(render_prompt(tokenizer, prompt))
             if len(mix) < mix_size:
                 mix.append(ids)
-            group = families.get(prompt.task)
-            if group is None or len(group) >= per_family or tuple(ids) in seen:
+            if len(group) >= per_family or tuple(ids) in seen:
                 continue
             seen.add(tuple(ids))
             group.append(ids)
-        if all(len(group) == per_family for group in families.values()):
+        if len(mix) == mix_size and all(len(group) == per_family
+                                        for group in families.values()):
             return Prompts(families, mix, source)
         if num > 64 * per_family + mix_size:
             short = {f: len(g) for f, g in families.items() if len(g) < per_family}

@@ -277,7 +277,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs for decode batches) "
                              "(default: off)")
-    parser.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=1024,
                         help="one-request prefill steps of up to this many tokens replay "
                              "captured CUDA graphs (padded to the next of 16, 24, 32, 48, ...); "
                              "0: they run eagerly")

@@ -66,7 +66,7 @@ class EngineArgs:
     init_std: float | None = None  # weight scale of a preset's random weights
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
     # One-request prefill steps of up to this many tokens replay captured graphs too (0: none).
-    prefill_graph_max_tokens: int = 512
+    prefill_graph_max_tokens: int = 1024
     # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
     overlap_schedule: bool = True
     # Structured output: a grammar not compiled this long after its request arrived fails

@@ -21,6 +21,12 @@ runs a few hundred eager launches, which at batch 1 take longer than its GPU wor
 query lengths 16 to `prefill_graph_max_tokens` (`prefill_query_lens`) with one request each
 take such steps the same way, padded like a verify step to the next captured length.
 
+A speculative verify graph (`greedy_verification`) also holds the step's greedy
+verification where its logits fit in
+`GREEDY_VERIFY_MAX_LOGITS_BYTES`: the final norm, the LM head, the argmax of every query row
+and each request's accepted count (`verify_greedy_rows`), so that an all-greedy verify step
+without logprobs reads back one small tensor and runs nothing eagerly after the replay.
+
 With LoRA adapters (`enable_lora`) every graph also reads each request's adapter slot from a
 static row (-1: the base model, and for padding), so steps mixing adapters and the base
 replay graphs too; the adapted layers' batched kernels are part of every captured step.
@@ -36,8 +42,12 @@ import torch
 from muse.engine.metadata import HostBatch
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.engine.transfer import to_device
+from muse.speculative.verification import verify_greedy_rows
 
 logger = logging.getLogger("muse")
+# The largest float32 logits [requests x query_len, vocab] a verify graph computes for its
+# greedy verification; larger buckets return hidden states only (the LM head runs eagerly).
+GREEDY_VERIFY_MAX_LOGITS_BYTES = 256 * 2**20
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -59,7 +69,8 @@ def prefill_query_lens(max_tokens: int, above: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  table_widths: dict[str, int], max_batch: int, block_size: int,
-                 device: torch.device, query_len: int = 1) -> None:
+                 device: torch.device, query_len: int = 1,
+                 greedy_verification: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -78,10 +89,14 @@ class DecodeGraphs:
         self.input_ids, self.positions = self.token_rows[0], self.token_rows[1]
         self.slots = {kind: self.token_rows[2 + i] for i, kind in enumerate(kinds)}
         self.with_lora = getattr(model, "lora_context", None) is not None
-        self.request_rows = zeros(1 + len(kinds) + self.with_lora, size)
+        verifies = greedy_verification and query_len > 1
+        self.request_rows = zeros(1 + len(kinds) + verifies + self.with_lora, size)
         self.seq_lens = self.request_rows[0]
         self.seq_lens.fill_(query_len)
         self.first_blocks = {kind: self.request_rows[1 + i] for i, kind in enumerate(kinds)}
+        # Verify graphs: each request's real query rows (1 + its drafts), for the greedy
+        # verification they hold.
+        self.num_query_tokens = self.request_rows[1 + len(kinds)] if verifies else None
         self.lora_slots = self.request_rows[-1] if self.with_lora else None
         if self.lora_slots is not None:
             self.lora_slots.fill_(-1)
@@ -91,8 +106,12 @@ class DecodeGraphs:
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.host_real_rows: list[int] = []
         self.device = device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, hidden states, greedy verification [bucket, 1 + query_len] or
+        # None where the bucket's graph does not hold it)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                     torch.Tensor | None]] = {}
         self.replays = 0
+        self.verified_replays = 0  # replays whose greedy verification was taken
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, BatchMetadata]:
         tokens = size * self.query_len
@@ -122,11 +141,26 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(input_ids, meta, self.kv_caches)
-            self.graphs[size] = (graph, hidden)
+                verified = self._greedy_verification(hidden, input_ids, size) \
+                    if self._verifies(size) else None
+            self.graphs[size] = (graph, hidden, verified)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
                     "decode" if self.query_len == 1 else f"{self.query_len}-token",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
+
+    def _verifies(self, size: int) -> bool:
+        """Whether bucket `size`'s graph holds the greedy verification."""
+        logits_bytes = size * self.query_len * self.model.config.vocab_size * 4
+        return self.num_query_tokens is not None \
+            and logits_bytes <= GREEDY_VERIFY_MAX_LOGITS_BYTES
+
+    def _greedy_verification(self, hidden: torch.Tensor, input_ids: torch.Tensor, size: int
+                             ) -> torch.Tensor:
+        best = self.model.compute_logits(hidden).argmax(dim=-1)
+        q = self.query_len
+        return verify_greedy_rows(best.view(size, q), input_ids.view(size, q),
+                                  self.num_query_tokens[:size])
 
     def covers(self, batch: HostBatch) -> bool:
         # A step of one token per request takes the decode graphs, not the verify ones.
@@ -155,6 +189,10 @@ class DecodeGraphs:
         else:
             token_rows, seq_lens, real_rows = self._padded_queries(batch, size)
         request_rows = [seq_lens] + [batch.first_blocks[kind] + pad for kind in self.slots]
+        if self.num_query_tokens is not None:
+            starts = batch.query_start
+            request_rows.append([end - start for start, end in zip(starts, starts[1:])]
+                                + [1] * len(pad))
         if self.with_lora:
             request_rows.append((batch.lora_slots or [-1] * count) + [-1] * len(pad))
         # Only the table columns this step uses are rewritten: entries past a request's length
@@ -210,9 +248,19 @@ class DecodeGraphs:
 
         The result is a view of the graph's output, valid until the next replay (or, for
         verify graphs, a gather of its real rows)."""
-        graph, hidden = self.graphs[size]
+        graph, hidden, _ = self.graphs[size]
         graph.replay()
         self.replays += 1
         if self.query_len == 1:
             return hidden[:batch.num_requests]
         return hidden.index_select(0, self.real_rows[:batch.num_tokens])
+
+    def greedy_verified(self, size: int, count: int) -> torch.Tensor | None:
+        """The greedy verification [count, 1 + query_len] (`verify_greedy_rows`) of the
+        step bucket `size` last replayed, if its graph holds one: a view of the graph's
+        output, valid until the next replay."""
+        verified = self.graphs[size][2]
+        if verified is None:
+            return None
+        self.verified_replays += 1
+        return verified[:count]

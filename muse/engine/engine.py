@@ -498,8 +498,8 @@ class EngineCore:
         block_size, max_batch = self.args.block_size, self.args.max_num_seqs
         full_width = -(-self.max_model_len // block_size)
 
-        def capture(query_len: int, batch: int = max_batch, pool: tuple | None = None
-                    ) -> DecodeGraphs:
+        def capture(query_len: int, batch: int = max_batch, pool: tuple | None = None,
+                    verify: bool = False) -> DecodeGraphs:
             widths = {kind: full_width for kind in self.num_blocks}
             if SLIDING in widths:
                 # The queries need the blocks of their windows, which straddle at most two
@@ -507,7 +507,7 @@ class EngineCore:
                 span = self.config.sliding_window + query_len - 1
                 widths[SLIDING] = min(full_width, -(-span // block_size) + 2)
             graphs = DecodeGraphs(self.model, kv_caches, widths, batch, block_size,
-                                  self.device, query_len)
+                                  self.device, query_len, greedy_verification=verify)
             graphs.capture(pool)
             return graphs
 
@@ -515,7 +515,7 @@ class EngineCore:
         if self.speculative is not None:
             if isinstance(self.proposer, DrafterProposer):
                 self.proposer.capture_graphs(max_batch, full_width, self.device)
-            graphs += [capture(q) for q in
+            graphs += [capture(q, verify=True) for q in
                        verify_query_lens(self.speculative.num_speculative_tokens)]
         longest = min(self.args.prefill_graph_max_tokens, self.args.max_num_batched_tokens,
                       self.max_model_len)
@@ -902,8 +902,9 @@ class EngineCore:
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else None
 
         def run_step(requests: int, query_len: int) -> None:
+            # Verify shapes priced as greedy verification runs them (in the graph where it fits).
             batch = HostBatch.dummy(kinds, query_len, block_size, requests)
-            worker.execute(batch, list(range(batch.num_tokens)))
+            worker.execute(batch, list(range(batch.num_tokens)), greedy_verify=query_len > 1)
 
         run_draft = self.proposer.run_dummy if isinstance(self.proposer, DrafterProposer) \
             else None

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from muse.engine.metadata import HostBatch
-from muse.engine.worker import ModelWorker, PendingInputs
+from muse.engine.worker import GreedyVerified, ModelWorker, PendingInputs
 
 logger = logging.getLogger("muse.engine")
 # After a failed collective, how long to wait for the process that caused it to be seen dead.
@@ -56,10 +56,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None, delta: bytes | None = None
-                ) -> torch.Tensor:
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None,
+                greedy_verify: bool = False) -> torch.Tensor | GreedyVerified:
         """Logits of `logits_rows`, on the driver's device. `delta`: the step for the other
-        ranks (`muse.engine.step_message`), when there are any."""
+        ranks (`muse.engine.step_message`), when there are any. `greedy_verify`: see
+        `ModelWorker.execute` (logits are a valid answer to it too)."""
 
     def shutdown(self) -> None:
         """Stop the workers this executor started (none for in-process execution)."""
@@ -73,9 +74,10 @@ class UniExecutor(Executor):
         self.worker = worker
 
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None, delta: bytes | None = None
-                ) -> torch.Tensor:
-        return self.worker.execute(batch, logits_rows, pending, previous_tokens)
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None,
+                greedy_verify: bool = False) -> torch.Tensor | GreedyVerified:
+        return self.worker.execute(batch, logits_rows, pending, previous_tokens,
+                                   greedy_verify)
 
 
 # Sent instead of a step when the engine has been idle a while (see MultiprocExecutor).
@@ -135,8 +137,8 @@ class MultiprocExecutor(Executor):
     has_other_ranks = True
 
     def execute(self, batch: HostBatch, logits_rows: list[int], pending: PendingInputs,
-                previous_tokens: torch.Tensor | None, delta: bytes | None = None
-                ) -> torch.Tensor:
+                previous_tokens: torch.Tensor | None, delta: bytes | None = None,
+                greedy_verify: bool = False) -> torch.Tensor:
         return self.execute_data_parallel([batch], [delta], [logits_rows])[0]
 
     def execute_data_parallel(self, batches: list[HostBatch | None],

@@ -14,8 +14,10 @@ from muse.engine.request import Request, TokenLogprobs
 from muse.engine.sampler import SamplingRow, prompt_logprobs, sample_on_device
 from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
+from muse.engine.worker import GreedyVerified
 from muse.multimodal.engine_inputs import MediaSlice, media_slices
-from muse.speculative.sampling import VerifiedDrafts, sample_with_drafts
+from muse.speculative.sampling import (VerifiedDrafts, drafts_verified_in_graph,
+                                       sample_with_drafts, verified_in_graph)
 from muse.model.decoder import EngineModel
 
 
@@ -64,6 +66,9 @@ class PreparedStep:
     prompt_spans: list[tuple[str, list[int], int, int]] = field(default_factory=list)
     sample_rows: list[SamplingRow] = field(default_factory=list)
     first_sample: int = 0  # logits rows from here on are the sampling requests', in order
+    # Every request verifies its drafts greedily and wants nothing else: a verify graph may
+    # return the verification itself (`GreedyVerified`) in place of the logits.
+    greedy_verify: bool = False
 
 
 def allocate_kv_caches(model: EngineModel, num_blocks: dict[str, int], block_size: int,
@@ -184,6 +189,12 @@ class ModelRunner:
                 scheduled, self.kv_cache.block_tables, prepared.batch.kv_transfers)
         prepared.pending = self._pending_inputs(scheduled, previous)
         prepared.pending_source = previous.tokens if previous is not None else None
+        prepared.greedy_verify = (
+            any(prepared.step.drafts) and not prepared.prompt_spans
+            and len(prepared.step.sampled) == len(scheduled)
+            and all(item.num_new_tokens == len(drafts) + 1
+                    for item, drafts in zip(scheduled, prepared.step.drafts))
+            and verified_in_graph(prepared.sample_rows))
         if device_drafts:
             # Speculation reads each step back before the next: nothing else is pending.
             width = draft_tensor.shape[1]
@@ -195,9 +206,15 @@ class ModelRunner:
         return prepared
 
     @torch.inference_mode()
-    def sample(self, prepared: PreparedStep, logits: torch.Tensor) -> LaunchedStep:
-        """Prompt logprobs and the sampled tokens of a step, from its logits rows."""
+    def sample(self, prepared: PreparedStep, logits: torch.Tensor | GreedyVerified
+               ) -> LaunchedStep:
+        """Prompt logprobs and the sampled tokens of a step, from its logits rows (or the
+        verification a verify graph made of it)."""
         step = prepared.step
+        if isinstance(logits, GreedyVerified):
+            step.verified = drafts_verified_in_graph(logits.rows, prepared.sample_rows,
+                                                     step.drafts)
+            return step
         for request_id, targets, row, num_top in prepared.prompt_spans:
             step.prompt_logprobs[request_id] = prompt_logprobs(
                 logits[row:row + len(targets)], to_device(targets, self.device), num_top)
@@ -219,5 +236,6 @@ class ModelRunner:
         Input tokens of `previous` not read back yet are taken from its device tensor."""
         prepared = self.prepare(scheduled, previous)
         logits = self.executor.execute(prepared.batch, prepared.logits_rows, prepared.pending,
-                                       prepared.pending_source, prepared.delta)
+                                       prepared.pending_source, prepared.delta,
+                                       prepared.greedy_verify)
         return self.sample(prepared, logits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,14 @@ from muse.multimodal.engine_inputs import MediaEncoders, scatter_media
 # Input positions still on the device (sampled by the step before and not read back, or
 # drafts left there by the drafter), and the rows of the tensor that holds them.
 PendingInputs = tuple[list[int], list[int]]
+
+
+class GreedyVerified(NamedTuple):
+    """What a verify step returns in place of logits when its CUDA graph verified it
+    greedily: per request the accepted count, then the argmax token of each of its query
+    rows ([requests, 1 + query_len], `verify_greedy_rows`), a view of the graph's output."""
+
+    rows: torch.Tensor
 
 
 class ModelWorker:
@@ -52,6 +61,7 @@ class ModelWorker:
         self.block_size = block_size
         # Captured steps by query length: decode (1), then speculative verify shapes.
         self.graphs = sorted(graphs or [], key=lambda g: g.query_len)
+        self.replayed: tuple[DecodeGraphs, int] | None = None  # the last step's graph, bucket
         # Every step eager: a KV connector's per-layer hooks must run in each forward.
         self.eager_layers = False
         # Pipeline steps run, by their number of micro-batches.
@@ -110,12 +120,16 @@ class ModelWorker:
     @torch.inference_mode()
     def execute(self, batch: HostBatch, logits_rows: list[int],
                 pending: PendingInputs = ([], []),
-                previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+                previous_tokens: torch.Tensor | None = None,
+                greedy_verify: bool = False) -> torch.Tensor | GreedyVerified | None:
         """Logits [len(logits_rows), vocab] (float32) of the step's tokens at those rows, on
         the first and the last pipeline stage (None on the stages between). The step's
-        copies between KV tiers come first."""
+        copies between KV tiers come first. `greedy_verify`: the step is greedy verification
+        of every request's drafts (all its rows wanted); a verify graph that holds it
+        returns `GreedyVerified` instead of logits."""
         if batch.kv_transfers:
             self.host_store.apply(batch.kv_transfers)
+        self.replayed = None
         if get_pp_group().world_size > 1:
             # Only the first stage reads embeddings, so only it scatters the media rows.
             logits = self._execute_stage(batch, logits_rows)
@@ -123,7 +137,13 @@ class ModelWorker:
             logits = self._logits(self._forward_media(batch, pending, previous_tokens),
                                   logits_rows)
         else:
-            logits = self._logits(self._forward(batch, pending, previous_tokens), logits_rows)
+            hidden = self._forward(batch, pending, previous_tokens)
+            verified = None
+            if greedy_verify and self.replayed is not None:
+                graphs, size = self.replayed
+                verified = graphs.greedy_verified(size, batch.num_requests)
+            logits = GreedyVerified(verified) if verified is not None \
+                else self._logits(hidden, logits_rows)
         if self.host_store is not None and self.host_store.pending:
             raise RuntimeError("host-tier loads were left pending after a forward pass")
         return logits
@@ -215,6 +235,7 @@ class ModelWorker:
                                    previous_tokens)
                 if self.host_store is not None:
                     self.host_store.finish_loads()  # a replay calls no layer hooks
+                self.replayed = (graphs, size)
                 return graphs.replay(size, batch)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:

@@ -104,9 +104,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
              "write it (default: as stored)")
     add("--enforce-eager", action="store_true",
         help="run every step eagerly, no CUDA graphs for decode batches (default: off)")
-    add("--prefill-graph-max-tokens", type=int, default=512,
+    add("--prefill-graph-max-tokens", type=int, default=EngineArgs.prefill_graph_max_tokens,
         help="one-request prefill steps of up to this many tokens replay captured CUDA graphs "
-             "(padded to the next of 16, 24, 32, 48, ...); 0: they run eagerly (default: 512)")
+             "(padded to the next of 16, 24, 32, 48, ...); 0: they run eagerly (default: "
+             f"{EngineArgs.prefill_graph_max_tokens})")
     add("--disable-overlap-schedule", action="store_true",
         help="read each step back before launching the next (default: off: the next step "
              "is launched first, so host work overlaps the GPU)")

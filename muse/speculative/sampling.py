@@ -110,6 +110,23 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
                           starts, raw)
 
 
+def verified_in_graph(rows: list[SamplingRow]) -> bool:
+    """Whether a verify step of these requests may take the greedy verification its CUDA
+    graph holds (`ModelWorker.execute(greedy_verify=True)`): every request greedy, with no
+    logit processing and no logprobs, so the argmax of the raw logits is all it needs."""
+    return all(row.params.greedy and row.params.logprobs is None
+               and not _processes_logits(row.params) for row in rows)
+
+
+def drafts_verified_in_graph(verified: torch.Tensor, rows: list[SamplingRow],
+                             drafts: list[list[int]]) -> VerifiedDrafts:
+    """`VerifiedDrafts` from a verify graph's greedy verification [R, 1 + Q] (count, then
+    the argmax of each query row): the same read-back as `sample_with_drafts` gives."""
+    starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+    return VerifiedDrafts(verified[:, 0], verified[:, 1:], HostCopy(verified), rows, starts,
+                          None)
+
+
 def _processes_logits(params: SamplingParams) -> bool:
     """Whether `apply_logit_processing` changes anything for a request with these params."""
     return bool(params.logit_bias) or params.min_tokens > 0 or uses_output_tokens(params)

@@ -281,6 +281,19 @@ def verify_greedy(target_scores: torch.Tensor, draft_tokens: torch.Tensor,
     return t, _assemble(draft_tokens, t, y)
 
 
+def verify_greedy_rows(best: torch.Tensor, input_ids: torch.Tensor, num_tokens: torch.Tensor
+                       ) -> torch.Tensor:
+    """`verify_greedy` for a step laid out one request a row, as a verify CUDA graph holds it:
+    best [R, Q] the argmax of each query row's logits, input_ids [R, Q] the request's step
+    tokens (its last known token, then its drafts), num_tokens [R] how many of its Q rows are
+    real (1 + its drafts). Returns [R, 1 + Q]: the accepted count t, then `best` (the request
+    emits best[:t + 1]; the entries after those are not to be read). Only tensor operations
+    of fixed shapes: a graph can hold it."""
+    passed = input_ids[:, 1:] == best[:, :-1]
+    t = accepted_count("token", passed, num_tokens - 1)
+    return torch.cat([t[:, None], best], dim=1)
+
+
 def verification_law(method: Method, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      num_drafts: torch.Tensor, draft_probs: torch.Tensor | None = None
                      ) -> VerificationLaw:

@@ -372,7 +372,8 @@ class MirrorCheckingExecutor(Executor):
         engine.runner._host_batch = capturing_host_batch
         engine.runner.executor = self
 
-    def execute(self, batch, logits_rows, pending, previous_tokens, delta=None):
+    def execute(self, batch, logits_rows, pending, previous_tokens, delta=None,
+                greedy_verify=False):
         kv_cache = self.engine.kv_cache
         delta = self.encoder.encode(self.scheduled, kv_cache.block_tables)
         data = encode_delta(delta)
@@ -393,7 +394,8 @@ class MirrorCheckingExecutor(Executor):
                 driver = kv_cache.block_tables(item.request)[SLIDING]
                 self.stale += sum(1 for mine, theirs in zip(entry.tables[SLIDING], driver)
                                   if theirs == NULL_BLOCK != mine)
-        return self.inner.execute(batch, logits_rows, pending, previous_tokens)
+        return self.inner.execute(batch, logits_rows, pending, previous_tokens,
+                                  greedy_verify=greedy_verify)
 
 
 @pytest.mark.parametrize("overlap_schedule", [False, True])

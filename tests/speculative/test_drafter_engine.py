@@ -122,6 +122,63 @@ def test_paged_drafts_are_the_drafters_over_the_reference_context(drafter_dir, o
     assert (proposer.steps_drafted_ahead > 0) == on_device
 
 
+@pytest.mark.parametrize("method,logprobs", [("dspark", None), ("ngram", None),
+                                             ("dspark", 2)])
+def test_a_verification_made_in_the_graph_gives_plain_decodings_output(drafter_dir, monkeypatch,
+                                                                       method, logprobs):
+    """The engine's side of a verify graph's greedy verification, on the CPU: a worker asked
+    for it (`greedy_verify`: every request greedy, no logprobs) answers `GreedyVerified`, made
+    here from the step's logits in a graph's layout (query rows padded past each request's
+    own with rows that would extend its accepted run if they were counted); the output is
+    plain decoding's, and a step that wants logprobs is never asked."""
+    from muse.engine.worker import GreedyVerified, ModelWorker
+    from muse.speculative.verification import verify_greedy_rows
+
+    real_execute, real_fill = ModelWorker.execute, ModelWorker._fill_pending
+    filled, asked = {}, []
+
+    def fill(self, input_ids, pending, previous_tokens):
+        real_fill(self, input_ids, pending, previous_tokens)
+        filled["ids"] = input_ids
+
+    def execute(self, batch, logits_rows, pending=([], []), previous_tokens=None,
+                greedy_verify=False):
+        logits = real_execute(self, batch, logits_rows, pending, previous_tokens)
+        if not greedy_verify:
+            return logits
+        assert logits_rows == list(range(batch.num_tokens))
+        asked.append(batch.num_requests)
+        starts, ids = batch.query_start, filled["ids"]
+        width = batch.max_query_len + 2
+        best = torch.zeros(batch.num_requests, width, dtype=torch.long)
+        padded = torch.zeros(batch.num_requests, width, dtype=torch.long)
+        for r, (start, end) in enumerate(zip(starts, starts[1:])):
+            best[r, :end - start] = logits[start:end].argmax(dim=-1)
+            padded[r, :end - start] = ids[start:end]
+            padded[r, end - start:] = best[r, end - start - 1]  # would match if counted
+        counts = torch.tensor([end - start for start, end in zip(starts, starts[1:])])
+        return GreedyVerified(verify_greedy_rows(best, padded, counts))
+
+    monkeypatch.setattr(ModelWorker, "_fill_pending", fill)
+    monkeypatch.setattr(ModelWorker, "execute", execute)
+    prompts = mixed_prompts(8192, 16, count=5, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=logprobs)
+    # The random drafter's drafts are all rejected; n-grams of the random model's looping
+    # replies are accepted.
+    config = spec(drafter_dir) if method == "dspark" else \
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    drafted = engine(speculative_config=config, max_num_seqs=4)
+    got = drafted.generate(prompts, params)
+    assert_same_outputs(got, engine().generate(prompts, params))
+    stats = drafted.engine.spec_stats
+    assert stats.num_drafts > 0
+    if logprobs is not None:
+        assert not asked
+    else:
+        assert len(asked) > 5
+        assert (stats.num_accepted_tokens > 0) == (method == "ngram")
+
+
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_probabilistic_drafts_reproduce_with_a_seed(drafter_dir, method):
     # The second run finds the prompts in the prefix cache, and the drafter their rows.
@@ -143,9 +200,13 @@ def test_a_missing_or_mismatched_drafter_is_refused(tmp_path, drafter_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graphs_for_draft_and_verify_passes_give_the_eager_output(drafter_dir):
+@pytest.mark.parametrize("logprobs", [2, None])
+def test_graphs_for_draft_and_verify_passes_give_the_eager_output(drafter_dir, logprobs):
+    """Also the greedy verification the verify graphs hold, taken when no logprobs are
+    asked for."""
     prompts = mixed_prompts(8192, 16, count=6, seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                            logprobs=logprobs)
     outputs = {}
     for eager in (True, False):
         llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", enforce_eager=eager,
@@ -153,7 +214,9 @@ def test_graphs_for_draft_and_verify_passes_give_the_eager_output(drafter_dir):
         outputs[eager] = llm.generate(prompts, params)
         worker = llm.engine.executor.worker
         if not eager:
-            assert sum(g.replays for g in worker.graphs if g.query_len > 1) > 0
+            verify = [g for g in worker.graphs if 1 < g.query_len <= 5]
+            assert sum(g.replays for g in verify) > 0
+            assert (sum(g.verified_replays for g in verify) > 0) == (logprobs is None)
             assert llm.engine.proposer.graphs.replays > 0
     assert_same_outputs(outputs[False], outputs[True])
     plain = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", max_num_seqs=8)

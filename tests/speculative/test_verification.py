@@ -403,6 +403,32 @@ def test_greedy_matches_a_per_request_loop(device: torch.device) -> None:
         assert out[r].tolist() == expected
 
 
+def test_greedy_rows_of_a_verify_graph_match_greedy_verification(device: torch.device
+                                                                   ) -> None:
+    """The layout a verify CUDA graph holds (a row per request, query rows padded with
+    garbage past 1 + its drafts) gives `verify_greedy`'s counts and emitted tokens."""
+    generator = torch.Generator().manual_seed(11)
+    num, query_len, vocab = 64, 6, 9
+    logits = torch.randn(num, query_len, vocab, generator=generator)
+    best = logits.argmax(dim=-1)
+    num_tokens = torch.randint(1, query_len + 1, (num,), generator=generator)
+    drafts = best[:, :query_len - 1].clone()
+    wrong = torch.rand(num, query_len - 1, generator=generator) < 0.25
+    drafts[wrong] = (drafts[wrong] + 1) % vocab
+    padding = torch.arange(query_len - 1) >= (num_tokens - 1)[:, None]
+    # Padding tokens that would extend the accepted run if the count ignored them.
+    drafts[padding] = best[:, :query_len - 1][padding]
+    last = torch.randint(vocab, (num, 1), generator=generator)
+    input_ids = torch.cat([last, drafts], dim=1)
+    rows = verification.verify_greedy_rows(best.to(device), input_ids.to(device),
+                                           num_tokens.to(device))
+    t, out = verify_greedy(logits.to(device), drafts.to(device), (num_tokens - 1).to(device))
+    assert rows[:, 0].tolist() == t.tolist()
+    for r in range(num):
+        emitted = rows[r, 1:int(t[r]) + 2].tolist()
+        assert emitted == out[r, :int(t[r]) + 1].tolist()
+
+
 def _ragged_batch(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Random inputs with g_r = 0..G, NaN in every padded probability and garbage in padded
     tokens and uniforms."""
