@@ -10,6 +10,8 @@ every prompt is prefilled in the timed pass too.
     python benchmarks/batch1_steps.py --out batch1-steps.json        # needs a GPU to mean much
     python benchmarks/batch1_steps.py --device cpu --prompts 2 --max-tokens 16
 
+--eager-verification adds a run of speculation whose verify graphs leave the greedy
+verification to eager code after each replay (what holding it in the graph saves).
 --profile FILE adds two more passes of each mode after the timed one, one under cProfile and
 one under torch.profiler, and writes to FILE the Python functions by cumulative time and the
 operators by self host time and by device time: where a step's time goes (the timed figures
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,6 +35,7 @@ from benchmarks.options import resolve_device  # noqa: E402
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from benchmarks.spec_decode import held_out_prompts  # noqa: E402
 from muse import LLM, SamplingParams  # noqa: E402
+from muse.engine import cuda_graphs  # noqa: E402
 from muse.engine.args import EngineArgs  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
 
@@ -75,8 +79,8 @@ def profile_pass(run: Any, device: torch.device, title: str, path: Path) -> None
             out.write("\n")
 
 
-def run_mode(args: argparse.Namespace, device: torch.device, speculative: dict | None
-             ) -> dict[str, Any]:
+def run_mode(args: argparse.Namespace, device: torch.device, name: str,
+             speculative: dict | None) -> dict[str, Any]:
     llm = LLM(args.model, device=str(device), speculative_config=speculative,
               enable_prefix_caching=False,
               prefill_graph_max_tokens=args.prefill_graph_max_tokens)
@@ -108,7 +112,7 @@ def run_mode(args: argparse.Namespace, device: torch.device, speculative: dict |
     wall = time.perf_counter() - start
     engine.step = step
     if args.profile:
-        profile_pass(run, device, "speculative" if speculative else "plain", Path(args.profile))
+        profile_pass(run, device, name, Path(args.profile))
     llm.shutdown()
     record: dict[str, Any] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
                               "outside_steps_s": wall - sum(t for _, t in steps)}
@@ -130,13 +134,22 @@ def main(argv: list[str] | None = None) -> dict:
                         default=EngineArgs.prefill_graph_max_tokens,
                         help="as the engine flag; 0 runs prefill steps eagerly")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--eager-verification", action="store_true",
+                        help="also run speculation with the greedy verification outside the "
+                             "verify graphs (what the graphs holding it save)")
     parser.add_argument("--profile", default=None,
                         help="text file for one more pass of each mode under torch.profiler")
     args = parser.parse_args(argv)
     if args.profile:
         Path(args.profile).write_text("")
     device = resolve_device(args.device)
-    results = {mode: run_mode(args, device, spec) for mode, spec in MODES.items()}
+    results = {mode: run_mode(args, device, mode, spec) for mode, spec in MODES.items()}
+    if args.eager_verification:
+        # The same speculation with the verify graphs returning hidden states only: the
+        # greedy verification then runs eagerly after each replay.
+        with patch.object(cuda_graphs, "GREEDY_VERIFY_MAX_LOGITS_BYTES", 0):
+            results["speculative_eager_verification"] = run_mode(
+                args, device, "speculative_eager_verification", MODES["speculative"])
     results["speedup"] = results["plain"]["wall_s"] / results["speculative"]["wall_s"]
     record = {"environment": environment(device), "model": args.model,
               "prompts": args.prompts, "max_tokens": args.max_tokens,
@@ -145,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [[mode, f"{r['wall_s'] * 1e3:.1f}", f"{r['tok_s']:.0f}",
              f"{r['prefill']['steps']} x {r['prefill']['mean_ms']:.2f}",
              f"{r['decode']['steps']} x {r['decode']['mean_ms']:.3f}"]
-            for mode, r in results.items() if mode in MODES]
+            for mode, r in results.items() if isinstance(r, dict)]
     print(table(["mode", "wall ms", "tok/s", "prefill steps x ms", "decode steps x ms"], rows))
     print(f"speedup {results['speedup']:.2f}x")
     return record

@@ -310,12 +310,14 @@ def test_batch1_steps_splits_prefill_from_decode(tmp_path):
     out = tmp_path / "steps.json"
     profile = tmp_path / "profile.txt"
     record = batch1_steps.main(["--device", "cpu", "--prompts", "2", "--max-tokens", "6",
-                                "--out", str(out), "--profile", str(profile)])
+                                "--out", str(out), "--profile", str(profile),
+                                "--eager-verification"])
     assert json.loads(out.read_text())["results"].keys() == record["results"].keys()
     sections = [line for line in profile.read_text().splitlines() if line.startswith("== ")]
-    assert sections == [f"== {mode}: {what}" for mode in ("plain", "speculative") for what in
+    modes = ("plain", "speculative", "speculative_eager_verification")
+    assert sections == [f"== {mode}: {what}" for mode in modes for what in
                         ("Python functions by cumulative time", "operators by self host time")]
-    for mode in ("plain", "speculative"):
+    for mode in modes:
         result = record["results"][mode]
         assert result["prefill"]["steps"] == 2  # one prompt at a time, each one step
         assert result["decode"]["steps"] >= 1 and result["output_tokens"] > 0
