@@ -11,6 +11,7 @@ from scipy import ndimage
 
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import vision_tasks
+from muse.train.data.question_parts import NEAR_DUPLICATE_SHARE, composed_questions
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.vision_tasks import (COLOURS, IMAGE_KINDS, IMAGE_QUESTIONS, POSITIONS,
                                           VIDEO_KINDS, VIDEO_QUESTIONS, describe,
@@ -48,20 +49,53 @@ def test_each_kind_has_ten_phrasings_split_apart(templates: tuple[str, ...]) -> 
 
 
 def test_questions_come_from_their_split() -> None:
+    """Held-out cases are asked in the held-out hand-written phrasings; training ones in the
+    others and in phrasings composed from parts, most often the composed ones."""
     rng = random.Random(6)
+    composed = 0
     for split in (TRAIN, HELD_OUT):
         for kind in IMAGE_KINDS:
             for _ in range(20):
                 case = sample_image_case(rng, split, kind)
+                written = split_items(IMAGE_QUESTIONS[kind], split)
+                if split == TRAIN:
+                    written += composed_questions("image", kind,
+                                                  split_items(IMAGE_QUESTIONS[kind], HELD_OUT))
                 allowed = {template.format(colour=shape.colour, shape=shape.kind)
-                           for template in split_items(IMAGE_QUESTIONS[kind], split)
-                           for shape in case.scene.shapes}
+                           for template in written for shape in case.scene.shapes}
                 assert case.question in allowed
+                composed += split == TRAIN and case.question not in {
+                    t.format(colour=s.colour, shape=s.kind) for s in case.scene.shapes
+                    for t in IMAGE_QUESTIONS[kind]}
                 if kind == "read" and not case.answer.isdigit():
                     assert case.answer in split_items(vision_tasks.WORDS, split)
         for kind in VIDEO_KINDS:
             case = sample_video_case(rng, split, kind)
-            assert case.question in split_items(VIDEO_QUESTIONS[kind], split)
+            allowed = split_items(VIDEO_QUESTIONS[kind], split)
+            if split == TRAIN:
+                allowed += composed_questions("video", kind,
+                                              split_items(VIDEO_QUESTIONS[kind], HELD_OUT))
+            assert case.question in allowed
+    assert composed > 50  # of 100 training image cases
+
+
+@pytest.mark.parametrize("media,questions", [("image", IMAGE_QUESTIONS),
+                                             ("video", VIDEO_QUESTIONS)])
+def test_composed_phrasings_are_many_and_none_is_near_a_held_out_one(media, questions) -> None:
+    for kind, written in questions.items():
+        held_out = split_items(written, HELD_OUT)
+        composed = composed_questions(media, kind, held_out)
+        assert len(composed) >= 20 and len(set(composed)) == len(composed)
+        for phrasing in composed:
+            words = set(re.findall(r"[a-z']+", phrasing.lower()))
+            for other in held_out:
+                theirs = set(re.findall(r"[a-z']+", other.lower()))
+                assert len(words & theirs) / len(words | theirs) < NEAR_DUPLICATE_SHARE, \
+                    (phrasing, other)
+        # Each kind's own words, never another kind's question (which the reasoning restates).
+        for other_kind, other_written in questions.items():
+            if other_kind != kind:
+                assert not set(composed) & set(other_written)
 
 
 @pytest.mark.parametrize("kind", ["colour", "shape"])

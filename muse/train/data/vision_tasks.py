@@ -17,7 +17,8 @@ off the description right after the question has been recognised.
 The user turn is a content-part list with an `{"type": "image"}` (or `"video"`) placeholder,
 which the chat template renders and HF processors accept; the pixels travel beside it.
 Phrasings and written words are split by `split.split_items`, so held-out cases are asked in
-phrasings training never used.
+phrasings training never used; training also asks in phrasings composed from parts
+(`question_parts`), none close to a held-out one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from muse.train.data.split import split_items
+from muse.train.data.question_parts import composed_questions
+from muse.train.data.split import HELD_OUT, TRAIN, split_items
 
 IMAGE_SIZE = 224
 VIDEO_SIZE = 96
@@ -325,12 +327,21 @@ def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -
     shape_count = 1 if kind in ("colour", "shape") else rng.randint(1, 5)
     with_text = kind == "read" or rng.random() < 0.3
     scene = sample_scene(rng, split, shape_count, with_text)
-    template = rng.choice(split_items(IMAGE_QUESTIONS[kind], split))
+    template = rng.choice(_phrasings("image", IMAGE_QUESTIONS[kind], kind, split))
     target = rng.choice(scene.shapes)
     question = template.format(colour=target.colour, shape=target.kind)
     answer = {"colour": target.colour, "shape": target.kind, "count": str(shape_count),
               "position": target.position, "read": scene.text or ""}[kind]
     return ImageCase(kind, question, answer, scene, draw_scene(scene), target)
+
+
+def _phrasings(media: str, written: tuple[str, ...], kind: str, split: str) -> tuple[str, ...]:
+    """The question phrasings of `split`: held out, those of the hand-written ones held out;
+    in training, the others and the phrasings composed from parts (`question_parts`)."""
+    if split != TRAIN:
+        return split_items(written, split)
+    return split_items(written, TRAIN) + composed_questions(
+        media, kind, split_items(written, HELD_OUT))
 
 
 def draw_video(shape: str, colour: str, direction: str, start: tuple[int, int], step: int,
@@ -365,7 +376,7 @@ def sample_video_case(rng: random.Random, split: str, kind: str | None = None) -
         start = (along if dx > 0 else VIDEO_SIZE - along, across)
     else:
         start = (across, along if dy > 0 else VIDEO_SIZE - along)
-    question = rng.choice(split_items(VIDEO_QUESTIONS[kind], split))
+    question = rng.choice(_phrasings("video", VIDEO_QUESTIONS[kind], kind, split))
     answer = {"direction": direction, "shape": shape, "colour": colour}[kind]
     frames = draw_video(shape, colour, direction, start, step, radius)
     return VideoCase(kind, question, answer, shape, colour, direction, frames)
