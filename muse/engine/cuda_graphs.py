@@ -103,6 +103,11 @@ class DecodeGraphs:
         self.token_request = torch.arange(size, device=device).repeat_interleave(query_len)
         self.query_start = torch.arange(size + 1, device=device) * query_len
         self.tables = {kind: zeros(size, width) for kind, width in table_widths.items()}
+        # What each static table row holds (its first entries; None: not known), so a step
+        # rewrites only the rows that changed: at hundreds of requests a whole table is tens
+        # of thousands of entries a step, where a decode step changes a few rows.
+        self.held_tables: dict[str, list[list[int] | None]] = {
+            kind: [None] * size for kind in table_widths}
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.host_real_rows: list[int] = []
         self.device = device
@@ -195,27 +200,45 @@ class DecodeGraphs:
                                 + [1] * len(pad))
         if self.with_lora:
             request_rows.append((batch.lora_slots or [-1] * count) + [-1] * len(pad))
-        # Only the table columns this step uses are rewritten: entries past a request's length
-        # are masked by position, so stale block ids there are never read.
-        widths = {kind: batch.table_width(kind) for kind in self.tables}
-        tables = [value for kind, width in widths.items()
-                  for table in batch.tables[kind] + [[]] * len(pad)
-                  for value in table + [0] * (width - len(table))]
+        changes = {kind: self._changed_rows(batch.tables[kind] + [[0]] * len(pad), kind)
+                   for kind in self.tables}
         tokens = size * self.query_len
         staged = to_device([value for row in token_rows + request_rows for value in row]
-                           + tables + real_rows, self.device)
+                           + [value for rows, values in changes.values() for value in rows + values]
+                           + real_rows, self.device)
         offset = len(token_rows) * tokens
         self.token_rows[:, :tokens].copy_(staged[:offset].view(len(token_rows), tokens))
         self.request_rows[:, :size].copy_(
             staged[offset:offset + len(request_rows) * size].view(len(request_rows), size))
         offset += len(request_rows) * size
-        for kind, width in widths.items():
-            self.tables[kind][:size, :width].copy_(
-                staged[offset:offset + size * width].view(size, width))
-            offset += size * width
+        for kind, (rows, values) in changes.items():
+            if rows:
+                width = len(values) // len(rows)
+                index = staged[offset:offset + len(rows)]
+                self.tables[kind][:, :width].index_copy_(
+                    0, index, staged[offset + len(rows):offset + len(rows) + len(values)]
+                    .view(len(rows), width))
+            offset += len(rows) + len(values)
         self.real_rows[:len(real_rows)].copy_(staged[offset:])
         self.host_real_rows = real_rows
         return size
+
+    def _changed_rows(self, tables: list[list[int]], kind: str) -> tuple[list[int], list[int]]:
+        """The rows of `tables` (a step's, padding rows included) that the static buffer of
+        `kind` does not hold yet, and their entries padded to the longest of them. Entries
+        past a row's own are left as they were: attention masks them by position, so stale
+        block ids there are never read."""
+        held = self.held_tables[kind]
+        rows = [i for i, table in enumerate(tables) if held[i] != table]
+        if not rows:
+            return [], []
+        width = max(len(tables[i]) for i in rows)
+        values = []
+        for i in rows:
+            table = tables[i]
+            values += table + [0] * (width - len(table))
+            held[i] = table
+        return rows, values
 
     def input_rows(self, indices: list[int]) -> list[int]:
         """The rows of `input_ids` that hold the last prepared step's tokens at `indices`."""

@@ -95,6 +95,40 @@ def test_padded_graph_inputs_give_the_eager_hidden_states():
     assert set(widths) == {"sliding_attention", "full_attention"}
 
 
+def test_graph_inputs_kept_across_steps_give_the_eager_hidden_states():
+    """The static inputs of one graph object over a whole run, on any device: block tables
+    are rewritten only where a row changed (a request finished and the rows after it moved
+    up, a block was added, a sliding window moved on), and every decode step's padded inputs
+    still give the eager hidden states."""
+    llm = LLM("muse-spark-tiny", init_std=0.1, dtype="float32", device="cpu",
+              enforce_eager=True, max_num_seqs=8, overlap_schedule=False)
+    engine = llm.engine
+    worker, runner = engine.executor.worker, engine.runner
+    widths = {kind: 40 for kind in engine.kv_cache.pools}
+    graphs = DecodeGraphs(engine.model, worker.kv_caches, widths, 8, runner.block_size,
+                          engine.device)
+    eager_forward, checked = worker._forward, []
+
+    def checking(batch, pending, previous_tokens):
+        hidden = eager_forward(batch, pending, previous_tokens)
+        size = graphs.prepare(batch)
+        if size is not None:
+            with torch.inference_mode():
+                padded = engine.model(*graphs._inputs(size), worker.kv_caches)
+            torch.testing.assert_close(padded[:batch.num_requests], hidden, atol=1e-5,
+                                       rtol=1e-5)
+            checked.append(batch.num_requests)
+        return hidden
+
+    worker._forward = checking
+    prompts = mixed_prompts(8192, 16, count=6, seed=8)
+    lengths = [5, 40, 12, 33, 20, 26]  # requests end one by one, the rest move up
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                    ignore_eos=True) for n in lengths])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert len(checked) > 30 and len(set(checked)) >= 4
+
+
 def test_padded_verify_graph_inputs_give_the_eager_hidden_states():
     """Verify graphs give every request 1 + k query rows: requests with fewer tokens (some
     drafts, none at all) are padded after their own tokens, and their real rows still get
