@@ -221,7 +221,8 @@ class ModelRunner:
         if any(step.drafts):
             step.verified = sample_with_drafts(
                 logits[prepared.first_sample:], prepared.sample_rows, step.drafts,
-                self.rejection_sample_method, step.draft_probs, step.device_drafts)
+                self.rejection_sample_method, step.draft_probs, step.device_drafts,
+                self.grammar_compiler)
         elif prepared.sample_rows:
             step.tokens, step.read_logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)

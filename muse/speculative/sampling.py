@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -50,13 +51,15 @@ class VerifiedDrafts:
 def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
                        rejection_sample_method: str = "token",
                        draft_probs: list[torch.Tensor | None] | None = None,
-                       device_drafts: tuple[torch.Tensor, list[int]] | None = None
-                       ) -> VerifiedDrafts:
+                       device_drafts: tuple[torch.Tensor, list[int]] | None = None,
+                       grammar_compiler: Any = None) -> VerifiedDrafts:
     """`logits` holds, request after request, the g_r + 1 rows of each request's step;
     `draft_probs[r]` [g_r, vocab] is the distribution request r's drafts were drawn from
     (None: one-hot). With `device_drafts` (tensor [N, G], row of each request) the drafts'
-    values are that tensor's and `drafts` only gives their counts. Nothing is read back
-    here: the result's `read` does it."""
+    values are that tensor's and `drafts` only gives their counts. A request with a grammar
+    (it never drafts: its matcher cannot take tokens back) samples its one row under its
+    grammar's mask, as in a step without drafts. Nothing is read back here: the result's
+    `read` does it."""
     device = logits.device
     num_requests, vocab = len(rows), logits.shape[1]
     width = max(len(d) for d in drafts)
@@ -80,6 +83,10 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
     expanded = [row_i for row, draft in zip(rows, drafts) for row_i in _draft_rows(row, draft)]
     processed = apply_logit_processing(logits, expanded) \
         if any(_processes_logits(row.params) for row in rows) else logits
+    if grammar_compiler is not None and any(row.grammar is not None for row in rows):
+        if processed is logits:
+            processed = logits.clone()  # the raw logits still give the logprobs
+        grammar_compiler.apply(processed, [row.grammar for row in expanded])
     if all(greedy) and processed is logits:
         # Plain argmax rows: the drafts kept are those equal to their row's best token, so the
         # emitted tokens are best[:t + 1] (the entries after them are never read), with no
@@ -113,8 +120,8 @@ def sample_with_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: li
 def verified_in_graph(rows: list[SamplingRow]) -> bool:
     """Whether a verify step of these requests may take the greedy verification its CUDA
     graph holds (`ModelWorker.execute(greedy_verify=True)`): every request greedy, with no
-    logit processing and no logprobs, so the argmax of the raw logits is all it needs."""
-    return all(row.params.greedy and row.params.logprobs is None
+    logit processing, grammar or logprobs, so the argmax of the raw logits is all it needs."""
+    return all(row.params.greedy and row.params.logprobs is None and row.grammar is None
                and not _processes_logits(row.params) for row in rows)
 
 

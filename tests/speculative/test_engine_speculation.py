@@ -4,10 +4,14 @@ counters add up."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from muse import LLM, SamplingParams
 from muse.engine.request import Request
+from muse.engine.structured_output import StructuredOutput
+from muse.presets import SHIPPED_CHECKPOINT
 from tests.engine.helpers import assert_same_outputs, mixed_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -234,3 +238,29 @@ def test_suffix_decoding_drafts_from_earlier_requests(plain_and_speculative):
         assert stats.num_accepted_tokens - before >= 12
     finally:
         suffix.shutdown()
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="no shipped checkpoint in this tree")
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_a_constrained_request_beside_drafting_ones_keeps_its_grammar(method):
+    """A request with a JSON schema never drafts, but shares steps with requests that do:
+    its token is still sampled under its grammar (the output equals the one without
+    speculation), while the others' drafts are verified."""
+    schema = StructuredOutput("json_schema", schema=json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    outputs = {}
+    for config in (None, {"method": method, "num_speculative_tokens": 4}):
+        llm = LLM(str(SHIPPED_CHECKPOINT), device="cpu", speculative_config=config)
+        tokenizer = llm.tokenizer
+        prompts = [{"prompt_token_ids": tokenizer.encode("Give me a JSON object.")},
+                   {"prompt_token_ids": tokenizer.encode("one two three four " * 4)}]
+        params = [SamplingParams(temperature=0.0, max_tokens=20, structured_output=schema),
+                  SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+        outputs[config is None] = [o.outputs[0].token_ids for o in
+                                   llm.generate(prompts, params, use_tqdm=False)]
+        if config is not None:
+            assert llm.engine.spec_stats.num_drafts > 0
+        llm.shutdown()
+    assert outputs[False] == outputs[True]
+    assert tokenizer.decode(outputs[False][0]).startswith('{"a": ')
