@@ -25,7 +25,10 @@ A speculative verify graph (`greedy_verification`) also holds the step's greedy
 verification where its logits fit in
 `GREEDY_VERIFY_MAX_LOGITS_BYTES`: the final norm, the LM head, the argmax of every query row
 and each request's accepted count (`verify_greedy_rows`), so that an all-greedy verify step
-without logprobs reads back one small tensor and runs nothing eagerly after the replay.
+without logprobs reads back one small tensor and runs nothing eagerly after the replay. With
+a drafter whose greedy drafts stay on the device (`draft_next`), it then drafts the next
+step's blocks too, anchored at each request's last emitted token (what the drafter's own
+graph would do right after: one launch a step instead of two).
 
 With LoRA adapters (`enable_lora`) every graph also reads each request's adapter slot from a
 static row (-1: the base model, and for padding), so steps mixing adapters and the base
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +53,9 @@ logger = logging.getLogger("muse")
 # The largest float32 logits [requests x query_len, vocab] a verify graph computes for its
 # greedy verification; larger buckets return hidden states only (the LM head runs eagerly).
 GREEDY_VERIFY_MAX_LOGITS_BYTES = 256 * 2**20
+# Greedy drafts [requests, G] from each request's anchor token and position [requests] and
+# the step's block tables by kind (`DrafterProposer.draft_next`).
+DraftNext = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -66,12 +74,23 @@ def prefill_query_lens(max_tokens: int, above: int) -> list[int]:
     return chosen + [max_tokens] if max_tokens > above and max_tokens >= 16 else chosen
 
 
+class StepOutputs(NamedTuple):
+    """A captured step's outputs: the hidden states of every query row; for verify graphs
+    that hold them, the greedy verification and the next drafts."""
+
+    hidden: torch.Tensor
+    verified: torch.Tensor | None = None
+    next_drafts: torch.Tensor | None = None
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  table_widths: dict[str, int], max_batch: int, block_size: int,
                  device: torch.device, query_len: int = 1,
-                 greedy_verification: bool = False) -> None:
+                 greedy_verification: bool = False, draft_next: DraftNext | None = None
+                 ) -> None:
         self.model = model
+        self.draft_next = draft_next  # drafts after the greedy verification (see above)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.query_len = query_len
@@ -111,10 +130,8 @@ class DecodeGraphs:
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.host_real_rows: list[int] = []
         self.device = device
-        # bucket -> (graph, hidden states, greedy verification [bucket, 1 + query_len] or
-        # None where the bucket's graph does not hold it)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                     torch.Tensor | None]] = {}
+        # bucket -> (graph, its outputs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
         self.replays = 0
         self.verified_replays = 0  # replays whose greedy verification was taken
 
@@ -138,21 +155,37 @@ class DecodeGraphs:
         # Largest first, so smaller graphs reuse the memory the larger ones took.
         for size in reversed(self.buckets):
             # The warm-up run compiles kernels and settles allocations outside the capture.
-            self.model(*self._inputs(size), self.kv_caches)
+            self._step(size)
             torch.cuda.synchronize()
-            # Fresh metadata for the capture: kernels may keep views of a step on it
-            # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's memory.
-            input_ids, meta = self._inputs(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(input_ids, meta, self.kv_caches)
-                verified = self._greedy_verification(hidden, input_ids, size) \
-                    if self._verifies(size) else None
-            self.graphs[size] = (graph, hidden, verified)
+                # Fresh metadata for the capture: kernels may keep views of a step on it
+                # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's
+                # memory.
+                outputs = self._step(size)
+            self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
                     "decode" if self.query_len == 1 else f"{self.query_len}-token",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
+
+    def _step(self, size: int) -> StepOutputs:
+        """What bucket `size`'s graph holds: the forward over the static inputs, and for a
+        verify graph that fits, the greedy verification and the next drafts."""
+        input_ids, meta = self._inputs(size)
+        hidden = self.model(input_ids, meta, self.kv_caches)
+        if not self._verifies(size):
+            return StepOutputs(hidden)
+        verified = self._greedy_verification(hidden, input_ids, size)
+        if self.draft_next is None:
+            return StepOutputs(hidden, verified)
+        # Each request's last emitted token, one position past its accepted drafts (its
+        # first query row holds the token before them).
+        accepted = verified[:, 0]
+        anchors = verified[:, 1:].gather(1, accepted[:, None]).squeeze(1)
+        positions = meta.positions.view(size, self.query_len)[:, 0] + accepted + 1
+        tables = {kind: table[:size] for kind, table in self.tables.items()}
+        return StepOutputs(hidden, verified, self.draft_next(anchors, positions, tables))
 
     def _verifies(self, size: int) -> bool:
         """Whether bucket `size`'s graph holds the greedy verification."""
@@ -271,19 +304,23 @@ class DecodeGraphs:
 
         The result is a view of the graph's output, valid until the next replay (or, for
         verify graphs, a gather of its real rows)."""
-        graph, hidden, _ = self.graphs[size]
+        graph, outputs = self.graphs[size]
+        hidden = outputs.hidden
         graph.replay()
         self.replays += 1
         if self.query_len == 1:
             return hidden[:batch.num_requests]
         return hidden.index_select(0, self.real_rows[:batch.num_tokens])
 
-    def greedy_verified(self, size: int, count: int) -> torch.Tensor | None:
+    def greedy_verified(self, size: int, count: int
+                        ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The greedy verification [count, 1 + query_len] (`verify_greedy_rows`) of the
-        step bucket `size` last replayed, if its graph holds one: a view of the graph's
-        output, valid until the next replay."""
-        verified = self.graphs[size][2]
-        if verified is None:
+        step bucket `size` last replayed, and the next drafts [count, G] made after it (None
+        without `draft_next`), if its graph holds them: views of the graph's outputs, valid
+        until its next replay."""
+        outputs = self.graphs[size][1]
+        if outputs.verified is None:
             return None
         self.verified_replays += 1
-        return verified[:count]
+        drafts = outputs.next_drafts
+        return outputs.verified[:count], drafts[:count] if drafts is not None else None

@@ -498,6 +498,10 @@ class EngineCore:
         block_size, max_batch = self.args.block_size, self.args.max_num_seqs
         full_width = -(-self.max_model_len // block_size)
 
+        # Verify graphs also draft the next blocks where the drafts stay on the device.
+        draft_next = self.proposer.draft_next if isinstance(self.proposer, DrafterProposer) \
+            and self.proposer.drafts_on_device else None
+
         def capture(query_len: int, batch: int = max_batch, pool: tuple | None = None,
                     verify: bool = False) -> DecodeGraphs:
             widths = {kind: full_width for kind in self.num_blocks}
@@ -507,7 +511,8 @@ class EngineCore:
                 span = self.config.sliding_window + query_len - 1
                 widths[SLIDING] = min(full_width, -(-span // block_size) + 2)
             graphs = DecodeGraphs(self.model, kv_caches, widths, batch, block_size,
-                                  self.device, query_len, greedy_verification=verify)
+                                  self.device, query_len, greedy_verification=verify,
+                                  draft_next=draft_next if verify else None)
             graphs.capture(pool)
             return graphs
 

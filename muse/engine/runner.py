@@ -213,7 +213,7 @@ class ModelRunner:
         step = prepared.step
         if isinstance(logits, GreedyVerified):
             step.verified = drafts_verified_in_graph(logits.rows, prepared.sample_rows,
-                                                     step.drafts)
+                                                     step.drafts, logits.next_drafts)
             return step
         for request_id, targets, row, num_top in prepared.prompt_spans:
             step.prompt_logprobs[request_id] = prompt_logprobs(

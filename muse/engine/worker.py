@@ -35,9 +35,11 @@ PendingInputs = tuple[list[int], list[int]]
 class GreedyVerified(NamedTuple):
     """What a verify step returns in place of logits when its CUDA graph verified it
     greedily: per request the accepted count, then the argmax token of each of its query
-    rows ([requests, 1 + query_len], `verify_greedy_rows`), a view of the graph's output."""
+    rows ([requests, 1 + query_len], `verify_greedy_rows`), and the next step's greedy drafts
+    [requests, G] when the graph also drafted (None otherwise); views of the graph's outputs."""
 
     rows: torch.Tensor
+    next_drafts: torch.Tensor | None = None
 
 
 class ModelWorker:
@@ -142,7 +144,7 @@ class ModelWorker:
             if greedy_verify and self.replayed is not None:
                 graphs, size = self.replayed
                 verified = graphs.greedy_verified(size, batch.num_requests)
-            logits = GreedyVerified(verified) if verified is not None \
+            logits = GreedyVerified(*verified) if verified is not None \
                 else self._logits(hidden, logits_rows)
         if self.host_store is not None and self.host_store.pending:
             raise RuntimeError("host-tier loads were left pending after a forward pass")

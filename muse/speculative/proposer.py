@@ -88,6 +88,13 @@ class DrafterProposer:
         model.context_writer = self.kv.write
         return self.kv
 
+    def draft_next(self, anchors: torch.Tensor, positions: torch.Tensor,
+                   tables: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Greedy drafts [R, G] anchored at `anchors` / `positions` [R] over the step's block
+        tables by kind: `draft_ahead`'s pass, for a verify graph to hold right after its
+        verification (`DecodeGraphs(draft_next=...)`). Only fixed-shape tensor work."""
+        return self.kv.propose(anchors, positions, tables[DraftKV.kind], None).tokens
+
     def capture_graphs(self, max_batch: int, table_width: int, device: torch.device) -> None:
         self.graphs = DraftGraphs(self.kv, max_batch, table_width, device,
                                   greedy=self.config.draft_sample_method == "greedy")
@@ -144,6 +151,10 @@ class DrafterProposer:
         if (not self.drafts_on_device or verified is None
                 or any(r.grammar is not None or uses_output_tokens(r.params) for r in requests)):
             return
+        rows = {r.request_id: row for row, r in enumerate(requests)}
+        if verified.next_drafts is not None:  # the verify graph drafted them already
+            self.ahead = (rows, verified.next_drafts)
+            return
         device = verified.accepted.device
         # The blocks of every row the verify pass wrote: the next anchor is at most one past.
         tables = [self.block_tables(r)[DraftKV.kind][:-(-(position + len(drafts) + 1)
@@ -152,7 +163,7 @@ class DrafterProposer:
         positions = to_device(step.draft_anchors, device) + verified.accepted + 1
         anchors = verified.outputs.gather(1, verified.accepted[:, None]).squeeze(1)
         proposal = self._draft(anchors, positions, tables, [0.0] * len(requests), None)
-        self.ahead = ({r.request_id: row for row, r in enumerate(requests)}, proposal.tokens)
+        self.ahead = (rows, proposal.tokens)
 
     def _propose(self, active: list[tuple[Request, int]],
                  generator: torch.Generator | None) -> dict[str, Drafts]:

@@ -41,6 +41,8 @@ class VerifiedDrafts:
     rows: list[SamplingRow]
     starts: list[int]
     raw_logprobs: torch.Tensor | None  # the logits' log-softmax, where logprobs are asked for
+    # The next step's greedy drafts [R, G'], where the verify graph made them right after.
+    next_drafts: torch.Tensor | None = None
 
     def read(self) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's emitted tokens and their logprobs (None where not asked for)."""
@@ -126,12 +128,13 @@ def verified_in_graph(rows: list[SamplingRow]) -> bool:
 
 
 def drafts_verified_in_graph(verified: torch.Tensor, rows: list[SamplingRow],
-                             drafts: list[list[int]]) -> VerifiedDrafts:
+                             drafts: list[list[int]], next_drafts: torch.Tensor | None = None
+                             ) -> VerifiedDrafts:
     """`VerifiedDrafts` from a verify graph's greedy verification [R, 1 + Q] (count, then
     the argmax of each query row): the same read-back as `sample_with_drafts` gives."""
     starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
     return VerifiedDrafts(verified[:, 0], verified[:, 1:], HostCopy(verified), rows, starts,
-                          None)
+                          None, next_drafts)
 
 
 def _processes_logits(params: SamplingParams) -> bool:

@@ -17,6 +17,7 @@ from muse.speculative.drafter import MuseDrafter, save_drafter
 from muse.speculative.drafter_config import DrafterConfig
 from muse.speculative.proposer import DrafterProposer
 from tests.engine.helpers import assert_same_outputs, mixed_prompts
+from tests.speculative.graph_layout import GraphLayoutWorker
 
 MASK_TOKEN = 3  # a special token the tiny model's prompts here never contain
 
@@ -129,38 +130,12 @@ def test_a_verification_made_in_the_graph_gives_plain_decodings_output(drafter_d
     """The engine's side of a verify graph's greedy verification, on the CPU: a worker asked
     for it (`greedy_verify`: every request greedy, no logprobs) answers `GreedyVerified`, made
     here from the step's logits in a graph's layout (query rows padded past each request's
-    own with rows that would extend its accepted run if they were counted); the output is
-    plain decoding's, and a step that wants logprobs is never asked."""
-    from muse.engine.worker import GreedyVerified, ModelWorker
-    from muse.speculative.verification import verify_greedy_rows
-
-    real_execute, real_fill = ModelWorker.execute, ModelWorker._fill_pending
-    filled, asked = {}, []
-
-    def fill(self, input_ids, pending, previous_tokens):
-        real_fill(self, input_ids, pending, previous_tokens)
-        filled["ids"] = input_ids
-
-    def execute(self, batch, logits_rows, pending=([], []), previous_tokens=None,
-                greedy_verify=False):
-        logits = real_execute(self, batch, logits_rows, pending, previous_tokens)
-        if not greedy_verify:
-            return logits
-        assert logits_rows == list(range(batch.num_tokens))
-        asked.append(batch.num_requests)
-        starts, ids = batch.query_start, filled["ids"]
-        width = batch.max_query_len + 2
-        best = torch.zeros(batch.num_requests, width, dtype=torch.long)
-        padded = torch.zeros(batch.num_requests, width, dtype=torch.long)
-        for r, (start, end) in enumerate(zip(starts, starts[1:])):
-            best[r, :end - start] = logits[start:end].argmax(dim=-1)
-            padded[r, :end - start] = ids[start:end]
-            padded[r, end - start:] = best[r, end - start - 1]  # would match if counted
-        counts = torch.tensor([end - start for start, end in zip(starts, starts[1:])])
-        return GreedyVerified(verify_greedy_rows(best, padded, counts))
-
-    monkeypatch.setattr(ModelWorker, "_fill_pending", fill)
-    monkeypatch.setattr(ModelWorker, "execute", execute)
+    own with rows that would extend its accepted run if they were counted), with the drafter's
+    next drafts made from it as the graph makes them (`DrafterProposer.draft_next`); the
+    output is plain decoding's, those drafts feed the next step (the drafter's own pass runs
+    only after prefills), and a step that wants logprobs is never asked."""
+    layout = GraphLayoutWorker(monkeypatch, draft=method == "dspark")
+    own_passes = []
     prompts = mixed_prompts(8192, 16, count=5, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=logprobs)
     # The random drafter's drafts are all rejected; n-grams of the random model's looping
@@ -168,15 +143,23 @@ def test_a_verification_made_in_the_graph_gives_plain_decodings_output(drafter_d
     config = spec(drafter_dir) if method == "dspark" else \
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     drafted = engine(speculative_config=config, max_num_seqs=4)
+    proposer = layout.proposer = drafted.engine.proposer
+    if method == "dspark":
+        own_draft = proposer._draft
+        monkeypatch.setattr(proposer, "_draft",
+                            lambda *args: own_passes.append(1) or own_draft(*args))
     got = drafted.generate(prompts, params)
     assert_same_outputs(got, engine().generate(prompts, params))
     stats = drafted.engine.spec_stats
     assert stats.num_drafts > 0
     if logprobs is not None:
-        assert not asked
+        assert not layout.asked
     else:
-        assert len(asked) > 5
+        assert len(layout.asked) > 5
         assert (stats.num_accepted_tokens > 0) == (method == "ngram")
+        if method == "dspark":
+            assert proposer.steps_drafted_ahead >= len(layout.asked) - len(prompts)
+            assert len(own_passes) <= 2 * len(prompts)  # after prefills, not after verifies
 
 
 @pytest.mark.parametrize("method", ["token", "block"])

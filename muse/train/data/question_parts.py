@@ -46,7 +46,8 @@ IMAGE_FORMS: dict[str, tuple[str, ...]] = {
               "Count the figures{where}.", "What is the number of items{where}?",
               "Give me the number of shapes{where}.", "How many things are drawn{where}?",
               "Tell me how many figures you see{where}.", "How many shapes appear{where}?",
-              "What's the total number of objects{where}?", "Count how many shapes there are{where}."),
+              "What's the total number of objects{where}?",
+              "Count how many shapes there are{where}."),
     "position": ("Where is the {colour} {shape}{where}?", "In which spot is the {colour} "
                  "{shape}{where}?", "Which part of the picture holds the {colour} {shape}?",
                  "Tell me where the {colour} {shape} is placed.",
