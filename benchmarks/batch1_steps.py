@@ -12,10 +12,10 @@ every prompt is prefilled in the timed pass too.
 
 --eager-verification adds a run of speculation whose verify graphs leave the greedy
 verification to eager code after each replay (what holding it in the graph saves).
---profile FILE adds two more passes of each mode after the timed one, one under cProfile and
-one under torch.profiler, and writes to FILE the Python functions by cumulative time and the
-operators by self host time and by device time: where a step's time goes (the timed figures
-are from the pass without profilers).
+--profile FILE adds two more passes of each mode after the timed one, over its first
+PROFILED_PROMPTS prompts, one under cProfile and one under torch.profiler, and writes to FILE
+the Python functions by cumulative time and the operators by self host time and by device
+time: where a step's time goes (the timed figures are from the pass without profilers).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from muse.engine.args import EngineArgs  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
 
 MODES = {"plain": None, "speculative": {"method": "dspark"}}
+PROFILED_PROMPTS = 4
 
 
 def prefilling(engine: Any) -> bool:
@@ -88,9 +89,9 @@ def run_mode(args: argparse.Namespace, device: torch.device, name: str,
     llm.tokenizer = None  # token ids in and out: no detokenizing per step
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    def run() -> int:
+    def run(count: int | None = None) -> int:
         return sum(len(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-                       .outputs[0].token_ids) for ids in prompts)
+                       .outputs[0].token_ids) for ids in prompts[:count])
 
     run()  # kernels compile at new sizes
     engine, steps = llm.engine, []
@@ -112,7 +113,9 @@ def run_mode(args: argparse.Namespace, device: torch.device, name: str,
     wall = time.perf_counter() - start
     engine.step = step
     if args.profile:
-        profile_pass(run, device, name, Path(args.profile))
+        # A few prompts: the profiler keeps every operator it sees (gigabytes of them for an
+        # eager run on the CPU).
+        profile_pass(lambda: run(PROFILED_PROMPTS), device, name, Path(args.profile))
     llm.shutdown()
     record: dict[str, Any] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
                               "outside_steps_s": wall - sum(t for _, t in steps)}
