@@ -21,14 +21,16 @@ runs a few hundred eager launches, which at batch 1 take longer than its GPU wor
 query lengths 16 to `prefill_graph_max_tokens` (`prefill_query_lens`) with one request each
 take such steps the same way, padded like a verify step to the next captured length.
 
-A speculative verify graph (`greedy_verification`) also holds the step's greedy
-verification where its logits fit in
-`GREEDY_VERIFY_MAX_LOGITS_BYTES`: the final norm, the LM head, the argmax of every query row
-and each request's accepted count (`verify_greedy_rows`), so that an all-greedy verify step
-without logprobs reads back one small tensor and runs nothing eagerly after the replay. With
-a drafter whose greedy drafts stay on the device (`draft_next`), it then drafts the next
-step's blocks too, anchored at each request's last emitted token (what the drafter's own
-graph would do right after: one launch a step instead of two).
+Speculative verify graphs (`greedy_verification`) come in two versions per bucket where
+the logits fit in `GREEDY_VERIFY_MAX_LOGITS_BYTES`, sharing their inputs and memory: the
+plain one, and one that also holds the step's greedy verification (the final norm, the LM
+head, the argmax of every query row and each request's accepted count, `verify_greedy_rows`),
+so that an all-greedy verify step without logprobs reads back one small tensor and runs
+nothing eagerly after the replay. With a drafter whose greedy drafts stay on the device
+(`draft_next`), that version then drafts the next step's blocks too, anchored at each
+request's last emitted token (what the drafter's own graph would do right after: one launch
+a step instead of two). Steps that sample replay the plain version, which computes nothing
+they would not use.
 
 With LoRA adapters (`enable_lora`) every graph also reads each request's adapter slot from a
 static row (-1: the base model, and for padding), so steps mixing adapters and the base
@@ -130,8 +132,11 @@ class DecodeGraphs:
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.host_real_rows: list[int] = []
         self.device = device
-        # bucket -> (graph, its outputs)
+        # bucket -> (graph, its outputs); `greedy_graphs`: the versions with the greedy
+        # verification, for the buckets that hold it
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.greedy_graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.replayed_greedy = False  # whether the last replay was a greedy version
         self.replays = 0
         self.verified_replays = 0  # replays whose greedy verification was taken
 
@@ -154,27 +159,32 @@ class DecodeGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory the larger ones took.
         for size in reversed(self.buckets):
-            # The warm-up run compiles kernels and settles allocations outside the capture.
-            self._step(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                # Fresh metadata for the capture: kernels may keep views of a step on it
-                # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's
-                # memory.
-                outputs = self._step(size)
-            self.graphs[size] = (graph, outputs)
+            self.graphs[size] = self._capture_step(size, False, pool)
+            if self._verifies(size):
+                self.greedy_graphs[size] = self._capture_step(size, True, pool)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
                     "decode" if self.query_len == 1 else f"{self.query_len}-token",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
 
-    def _step(self, size: int) -> StepOutputs:
-        """What bucket `size`'s graph holds: the forward over the static inputs, and for a
-        verify graph that fits, the greedy verification and the next drafts."""
+    def _capture_step(self, size: int, greedy: bool, pool: tuple
+                      ) -> tuple[torch.cuda.CUDAGraph, StepOutputs]:
+        # The warm-up run compiles kernels and settles allocations outside the capture.
+        self._step(size, greedy)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            # Fresh metadata for the capture: kernels may keep views of a step on it
+            # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's memory.
+            outputs = self._step(size, greedy)
+        return graph, outputs
+
+    def _step(self, size: int, greedy: bool) -> StepOutputs:
+        """What a graph of bucket `size` holds: the forward over the static inputs, and in
+        the greedy version, the greedy verification and the next drafts."""
         input_ids, meta = self._inputs(size)
         hidden = self.model(input_ids, meta, self.kv_caches)
-        if not self._verifies(size):
+        if not greedy:
             return StepOutputs(hidden)
         verified = self._greedy_verification(hidden, input_ids, size)
         if self.draft_next is None:
@@ -299,12 +309,15 @@ class DecodeGraphs:
             real_rows += range(r * q, r * q + end - first)
         return [input_ids, positions, *slots.values()], seq_lens, real_rows
 
-    def replay(self, size: int, batch: HostBatch) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step `prepare` filled the buffers for.
+    def replay(self, size: int, batch: HostBatch, greedy: bool = False) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step `prepare` filled the buffers for;
+        `greedy`: the version with the greedy verification, where the bucket has one
+        (`greedy_verified` then reads it).
 
         The result is a view of the graph's output, valid until the next replay (or, for
         verify graphs, a gather of its real rows)."""
-        graph, outputs = self.graphs[size]
+        self.replayed_greedy = greedy and size in self.greedy_graphs
+        graph, outputs = (self.greedy_graphs if self.replayed_greedy else self.graphs)[size]
         hidden = outputs.hidden
         graph.replay()
         self.replays += 1
@@ -316,11 +329,11 @@ class DecodeGraphs:
                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The greedy verification [count, 1 + query_len] (`verify_greedy_rows`) of the
         step bucket `size` last replayed, and the next drafts [count, G] made after it (None
-        without `draft_next`), if its graph holds them: views of the graph's outputs, valid
-        until its next replay."""
-        outputs = self.graphs[size][1]
-        if outputs.verified is None:
+        without `draft_next`), if it replayed the greedy version: views of the graph's
+        outputs, valid until its next replay."""
+        if not self.replayed_greedy:
             return None
+        outputs = self.greedy_graphs[size][1]
         self.verified_replays += 1
         drafts = outputs.next_drafts
         return outputs.verified[:count], drafts[:count] if drafts is not None else None

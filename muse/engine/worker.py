@@ -139,7 +139,7 @@ class ModelWorker:
             logits = self._logits(self._forward_media(batch, pending, previous_tokens),
                                   logits_rows)
         else:
-            hidden = self._forward(batch, pending, previous_tokens)
+            hidden = self._forward(batch, pending, previous_tokens, greedy_verify)
             verified = None
             if greedy_verify and self.replayed is not None:
                 graphs, size = self.replayed
@@ -222,7 +222,8 @@ class ModelWorker:
         return part_rows, None if order == list(range(len(order))) else order
 
     def _forward(self, batch: HostBatch, pending: PendingInputs,
-                 previous_tokens: torch.Tensor | None) -> torch.Tensor:
+                 previous_tokens: torch.Tensor | None, greedy_verify: bool = False
+                 ) -> torch.Tensor:
         """Final hidden states of the step's tokens: a captured graph when one fits (not for
         the step that calculates the FP8 KV scales, nor one whose adapters adapt routed experts:
         the graphs were captured without them; nor with a connector's per-layer hooks)."""
@@ -238,7 +239,7 @@ class ModelWorker:
                 if self.host_store is not None:
                     self.host_store.finish_loads()  # a replay calls no layer hooks
                 self.replayed = (graphs, size)
-                return graphs.replay(size, batch)
+                return graphs.replay(size, batch, greedy_verify)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:
             return self._forward_context_parallel(batch)

@@ -109,8 +109,8 @@ def test_graph_inputs_kept_across_steps_give_the_eager_hidden_states():
                           engine.device)
     eager_forward, checked = worker._forward, []
 
-    def checking(batch, pending, previous_tokens):
-        hidden = eager_forward(batch, pending, previous_tokens)
+    def checking(batch, pending, previous_tokens, *rest):
+        hidden = eager_forward(batch, pending, previous_tokens, *rest)
         size = graphs.prepare(batch)
         if size is not None:
             with torch.inference_mode():
