@@ -227,6 +227,29 @@ def test_spec_decode_json(tmp_path):
                 assert positive(figures["speedup"]) and figures["equal_to_plain"] == 2
 
 
+def test_speed_mixes_keep_to_the_families_the_shipped_model_knows(monkeypatch):
+    """The held-out stream follows the data generators' mix, which also has tasks the shipped
+    model was never taught (unseen tools): the speed mix skips them, in stream order."""
+    from muse.train.drafter_data import DrafterPrompt
+
+    tasks = ["unseen_tools", "arithmetic", "unseen_tools", "tools", "instructions",
+             "unseen_tools", "arithmetic", "tools", "instructions"] * 4
+
+    def stream(num, seed, split):
+        return [DrafterPrompt(task, [{"role": "user", "content": str(i)}], None)
+                for i, task in enumerate(tasks[:num])]
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            return [int(messages[0]["content"])]
+
+    monkeypatch.setattr(spec_decode, "sample_prompts", stream)
+    prompts = spec_decode.held_out_prompts(Tokenizer(), 2, 5, seed=0)
+    assert prompts.mix == [[1], [3], [4], [6], [7]]
+    assert all(tasks[ids[0]] in spec_decode.FAMILIES for group in prompts.families.values()
+               for ids in group)
+
+
 def test_spec_decode_needs_a_drafter_for_drafter_methods(tmp_path):
     spec = spec_decode.SpeculativeConfig.parse({"method": "dspark"})
     with pytest.raises(SystemExit, match="needs a drafter checkpoint"):
