@@ -136,7 +136,6 @@ class DecodeGraphs:
         # verification, for the buckets that hold it
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
         self.greedy_graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
-        self.replayed_greedy = False  # whether the last replay was a greedy version
         self.replays = 0
         self.verified_replays = 0  # replays whose greedy verification was taken
 
@@ -309,31 +308,30 @@ class DecodeGraphs:
             real_rows += range(r * q, r * q + end - first)
         return [input_ids, positions, *slots.values()], seq_lens, real_rows
 
-    def replay(self, size: int, batch: HostBatch, greedy: bool = False) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step `prepare` filled the buffers for;
-        `greedy`: the version with the greedy verification, where the bucket has one
-        (`greedy_verified` then reads it).
+    def replay(self, size: int, batch: HostBatch) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step `prepare` filled the buffers for.
 
         The result is a view of the graph's output, valid until the next replay (or, for
         verify graphs, a gather of its real rows)."""
-        self.replayed_greedy = greedy and size in self.greedy_graphs
-        graph, outputs = (self.greedy_graphs if self.replayed_greedy else self.graphs)[size]
-        hidden = outputs.hidden
+        graph, outputs = self.graphs[size]
         graph.replay()
         self.replays += 1
         if self.query_len == 1:
-            return hidden[:batch.num_requests]
-        return hidden.index_select(0, self.real_rows[:batch.num_tokens])
+            return outputs.hidden[:batch.num_requests]
+        return outputs.hidden.index_select(0, self.real_rows[:batch.num_tokens])
 
-    def greedy_verified(self, size: int, count: int
-                        ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The greedy verification [count, 1 + query_len] (`verify_greedy_rows`) of the
-        step bucket `size` last replayed, and the next drafts [count, G] made after it (None
-        without `draft_next`), if it replayed the greedy version: views of the graph's
-        outputs, valid until its next replay."""
-        if not self.replayed_greedy:
+    def replay_greedy(self, size: int, count: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Replay the greedy version of bucket `size` for the `count` requests `prepare`
+        filled it with: their greedy verification [count, 1 + query_len]
+        (`verify_greedy_rows`) and the next drafts [count, G] made after it (None without
+        `draft_next`), views of the graph's outputs valid until its next replay. None, with
+        nothing replayed, where the bucket has no greedy version."""
+        if size not in self.greedy_graphs:
             return None
-        outputs = self.greedy_graphs[size][1]
+        graph, outputs = self.greedy_graphs[size]
+        graph.replay()
+        self.replays += 1
         self.verified_replays += 1
         drafts = outputs.next_drafts
         return outputs.verified[:count], drafts[:count] if drafts is not None else None

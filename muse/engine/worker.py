@@ -63,7 +63,6 @@ class ModelWorker:
         self.block_size = block_size
         # Captured steps by query length: decode (1), then speculative verify shapes.
         self.graphs = sorted(graphs or [], key=lambda g: g.query_len)
-        self.replayed: tuple[DecodeGraphs, int] | None = None  # the last step's graph, bucket
         # Every step eager: a KV connector's per-layer hooks must run in each forward.
         self.eager_layers = False
         # Pipeline steps run, by their number of micro-batches.
@@ -131,7 +130,6 @@ class ModelWorker:
         returns `GreedyVerified` instead of logits."""
         if batch.kv_transfers:
             self.host_store.apply(batch.kv_transfers)
-        self.replayed = None
         if get_pp_group().world_size > 1:
             # Only the first stage reads embeddings, so only it scatters the media rows.
             logits = self._execute_stage(batch, logits_rows)
@@ -139,13 +137,8 @@ class ModelWorker:
             logits = self._logits(self._forward_media(batch, pending, previous_tokens),
                                   logits_rows)
         else:
-            hidden = self._forward(batch, pending, previous_tokens, greedy_verify)
-            verified = None
-            if greedy_verify and self.replayed is not None:
-                graphs, size = self.replayed
-                verified = graphs.greedy_verified(size, batch.num_requests)
-            logits = GreedyVerified(*verified) if verified is not None \
-                else self._logits(hidden, logits_rows)
+            out = self._forward(batch, pending, previous_tokens, greedy_verify)
+            logits = out if isinstance(out, GreedyVerified) else self._logits(out, logits_rows)
         if self.host_store is not None and self.host_store.pending:
             raise RuntimeError("host-tier loads were left pending after a forward pass")
         return logits
@@ -223,10 +216,11 @@ class ModelWorker:
 
     def _forward(self, batch: HostBatch, pending: PendingInputs,
                  previous_tokens: torch.Tensor | None, greedy_verify: bool = False
-                 ) -> torch.Tensor:
+                 ) -> torch.Tensor | GreedyVerified:
         """Final hidden states of the step's tokens: a captured graph when one fits (not for
         the step that calculates the FP8 KV scales, nor one whose adapters adapt routed experts:
-        the graphs were captured without them; nor with a connector's per-layer hooks)."""
+        the graphs were captured without them; nor with a connector's per-layer hooks). With
+        `greedy_verify`, a graph that holds the greedy verification gives that instead."""
         lora = self.model.lora_context
         eager = self.model.kv_scales_pending or self.eager_layers or (
             batch.lora_slots is not None and lora is not None and lora.experts_adapted)
@@ -238,8 +232,11 @@ class ModelWorker:
                                    previous_tokens)
                 if self.host_store is not None:
                     self.host_store.finish_loads()  # a replay calls no layer hooks
-                self.replayed = (graphs, size)
-                return graphs.replay(size, batch, greedy_verify)
+                verified = graphs.replay_greedy(size, batch.num_requests) \
+                    if greedy_verify else None
+                if verified is not None:
+                    return GreedyVerified(*verified)
+                return graphs.replay(size, batch)
         context = get_pcp_group()
         if context.world_size > 1 and batch.num_tokens >= context.world_size:
             return self._forward_context_parallel(batch)
