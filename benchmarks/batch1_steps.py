@@ -11,7 +11,9 @@ every prompt is prefilled in the timed pass too.
     python benchmarks/batch1_steps.py --device cpu --prompts 2 --max-tokens 16
 
 --eager-verification adds a run of speculation whose verify graphs leave the greedy
-verification to eager code after each replay (what holding it in the graph saves).
+verification to eager code after each replay (what holding it in the graph saves);
+--read-back one whose verify steps are each read back before the next is made (no
+overlapped schedule: what making the next verify step on the device saves).
 --profile FILE adds two more passes of each mode after the timed one, over its first
 PROFILED_PROMPTS prompts, one under cProfile and one under torch.profiler, and writes to FILE
 the Python functions by cumulative time and the operators by self host time and by device
@@ -81,10 +83,10 @@ def profile_pass(run: Any, device: torch.device, title: str, path: Path) -> None
 
 
 def run_mode(args: argparse.Namespace, device: torch.device, name: str,
-             speculative: dict | None) -> dict[str, Any]:
+             speculative: dict | None, **engine_args: Any) -> dict[str, Any]:
     llm = LLM(args.model, device=str(device), speculative_config=speculative,
               enable_prefix_caching=False,
-              prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+              prefill_graph_max_tokens=args.prefill_graph_max_tokens, **engine_args)
     prompts = held_out_prompts(llm.tokenizer, 4, args.prompts, args.seed).mix[:args.prompts]
     llm.tokenizer = None  # token ids in and out: no detokenizing per step
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -140,6 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eager-verification", action="store_true",
                         help="also run speculation with the greedy verification outside the "
                              "verify graphs (what the graphs holding it save)")
+    parser.add_argument("--read-back", action="store_true",
+                        help="also run speculation with every verify step read back before "
+                             "the next is made (no overlapped schedule: what chaining saves)")
     parser.add_argument("--profile", default=None,
                         help="text file for one more pass of each mode under torch.profiler")
     args = parser.parse_args(argv)
@@ -153,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
         with patch.object(cuda_graphs, "GREEDY_VERIFY_MAX_LOGITS_BYTES", 0):
             results["speculative_eager_verification"] = run_mode(
                 args, device, "speculative_eager_verification", MODES["speculative"])
+    if args.read_back:
+        results["speculative_read_back"] = run_mode(
+            args, device, "speculative_read_back", MODES["speculative"], overlap_schedule=False)
     results["speedup"] = results["plain"]["wall_s"] / results["speculative"]["wall_s"]
     record = {"environment": environment(device), "model": args.model,
               "prompts": args.prompts, "max_tokens": args.max_tokens,

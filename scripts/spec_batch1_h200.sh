@@ -3,15 +3,17 @@
 #
 #   scripts/spec_batch1_h200.sh OUT
 #
-# 1. the GPU tests of the verify and draft graphs (graph against eager output and acceptance);
+# 1. the GPU tests of the verify and draft graphs (graph against eager output and acceptance),
+#    chained verify steps included;
 # 2. where a batch-1 generation's time goes, plain against speculative, and speculation with
-#    the greedy verification out of the verify graphs (`batch1_steps.py --eager-verification`,
-#    with a profile of each);
+#    each verify step read back before the next is made (`batch1_steps.py --read-back`); with
+#    PROFILE=1 also with the greedy verification out of the verify graphs
+#    (`--eager-verification`) and a profile of each;
 # 3. the end-to-end figure (`spec_decode.py --sections speed --concurrency 1`).
 #
 # Run from the repository root with the GPU image's python3. Each part runs only if BUDGET
 # (seconds, default 540) leaves it room, so what finished comes back: OUT gets log.txt,
-# batch1-steps.json, batch1-profile.txt and spec-speed-c1.json.
+# batch1-steps.json, spec-speed-c1.json (and with PROFILE=1 batch1-profile.txt).
 set -u
 OUT=${1:?usage: scripts/spec_batch1_h200.sh OUT}
 PYTHON=${PYTHON:-python3}
@@ -32,9 +34,10 @@ part() {  # part NEEDED_SECONDS COMMAND...: runs it if that much time is left, w
 
 git log --oneline -1 >> "$LOG" 2>&1
 part 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/speculative/test_shipped_drafter.py \
-    tests/speculative/test_drafter_engine.py tests/engine/test_cuda_graphs.py
-part 90 "$PYTHON" benchmarks/batch1_steps.py --eager-verification \
-    --out "$OUT/batch1-steps.json" --profile "$OUT/batch1-profile.txt"
+    tests/speculative/test_drafter_engine.py tests/speculative/test_chained_steps.py \
+    tests/engine/test_cuda_graphs.py
+part 90 "$PYTHON" benchmarks/batch1_steps.py --read-back ${PROFILE:+--eager-verification} \
+    --out "$OUT/batch1-steps.json" ${PROFILE:+--profile "$OUT/batch1-profile.txt"}
 part 60 "$PYTHON" benchmarks/spec_decode.py --sections speed --concurrency 1 --num-prompts 16 \
     --max-tokens 256 --repeats 5 --out "$OUT/spec-speed-c1.json"
 echo "done at $((SECONDS - START)) s" >> "$LOG"

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ if not torch.cuda.is_available():
 
 # Tests use small tensors: one thread avoids contention on small shared CPUs.
 torch.set_num_threads(1)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The engine's tests run on the GPU where there is one, on the CPU otherwise.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

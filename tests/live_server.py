@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO_ROOT
 MODEL = "muse-spark-tiny"
 # The shared server's context: prompts and max_tokens beyond it must be refused.
 MAX_MODEL_LEN = 1024

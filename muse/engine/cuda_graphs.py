@@ -49,6 +49,7 @@ import torch
 from muse.engine.metadata import HostBatch
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.engine.transfer import to_device
+from muse.speculative.chained_step import ChainedBatch
 from muse.speculative.verification import verify_greedy_rows
 
 logger = logging.getLogger("muse")
@@ -130,6 +131,7 @@ class DecodeGraphs:
         self.held_tables: dict[str, list[list[int] | None]] = {
             kind: [None] * size for kind in table_widths}
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
+        self.row_index = torch.arange(tokens, device=device)
         self.host_real_rows: list[int] = []
         self.device = device
         # bucket -> (graph, its outputs); `greedy_graphs`: the versions with the greedy
@@ -263,6 +265,54 @@ class DecodeGraphs:
             offset += len(rows) + len(values)
         self.real_rows[:len(real_rows)].copy_(staged[offset:])
         self.host_real_rows = real_rows
+        return size
+
+    def prepare_chained(self, batch: ChainedBatch) -> int | None:
+        """`prepare` for a verify step made on the device (`ChainedBatch`): its rows are
+        copied from its tensors, the padding rows written as `prepare` writes them. Returns
+        the bucket size, or None when the graphs do not cover the step."""
+        count, q = batch.num_requests, batch.query_len
+        if (q != self.query_len or count > self.buckets[-1]
+                or any(batch.table_width(kind) > table.shape[1]
+                       for kind, table in self.tables.items())):
+            return None
+        size = next(s for s in self.buckets if s >= count)
+        real, tokens = count * q, size * q
+        token_rows = self.token_rows[:, :tokens]
+        token_rows[0, :real].copy_(batch.input_ids)
+        token_rows[1, :real].copy_(batch.positions)
+        for i, kind in enumerate(self.slots):
+            token_rows[2 + i, :real].copy_(batch.slots[kind])
+        # Padding requests: token 0 at positions 0 .. q - 1 of the null block.
+        token_rows[:, real:].zero_()
+        self.positions[real:tokens].copy_(self.row_index[:tokens - real] % q)
+        self.seq_lens[:count].copy_(batch.seq_lens)
+        self.seq_lens[count:size].fill_(q)
+        for kind, first in batch.first_blocks.items():
+            self.first_blocks[kind][:count].copy_(first)
+            self.first_blocks[kind][count:size].zero_()
+        if self.num_query_tokens is not None:
+            self.num_query_tokens[:count].fill_(q)
+            self.num_query_tokens[count:size].fill_(1)
+        if self.lora_slots is not None:
+            self.lora_slots[:size].fill_(-1)
+        pad = [[0]] * (size - count)
+        changes = {kind: self._changed_rows(batch.host_tables[kind] + pad, kind)
+                   for kind in self.tables}
+        if any(rows for rows, _ in changes.values()):
+            staged = to_device([value for rows, values in changes.values()
+                                for value in rows + values], self.device)
+            offset = 0
+            for kind, (rows, values) in changes.items():
+                if rows:
+                    width = len(values) // len(rows)
+                    self.tables[kind][:, :width].index_copy_(
+                        0, staged[offset:offset + len(rows)],
+                        staged[offset + len(rows):offset + len(rows) + len(values)]
+                        .view(len(rows), width))
+                offset += len(rows) + len(values)
+        self.real_rows[:real].copy_(self.row_index[:real])
+        self.host_real_rows = list(range(real))
         return size
 
     def _changed_rows(self, tables: list[list[int]], kind: str) -> tuple[list[int], list[int]]:

@@ -53,6 +53,7 @@ from muse.speculative.draft_kv import draft_block_bytes
 from muse.speculative.metrics import SpecDecodingStats
 from muse.speculative.adaptive import (AcceptanceTracker, StepCosts, choose_query_len, survival,
                                       worth_drafting)
+from muse.speculative.sampling import verified_in_graph
 from muse.speculative.proposer import (DrafterProposer, Drafts, NgramProposer, SuffixProposer,
                                       make_proposer)
 from muse.checkpoint.configs import load_config
@@ -281,6 +282,13 @@ class EngineCore:
                                                         args.distributed_timeout_s, on_shutdown)
         else:
             self.executor = UniExecutor(worker)
+        # Speculation's overlapped schedule (`muse.speculative.chained_step`): a greedy verify
+        # step whose next drafts stay on the device is followed by the next one, made there,
+        # before it is read back.
+        self.chain_verify_steps = (args.overlap_schedule and not worker_processes
+                                   and isinstance(self.proposer, DrafterProposer)
+                                   and self.proposer.drafts_on_device)
+        self.chained_steps = 0
         self._init_scheduling()
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             self.step_costs = self._profile_step_costs()
@@ -812,10 +820,20 @@ class EngineCore:
         self.serve_kv_pulls()
         self._take_pulled_kv()
         previous, self.in_flight = self.in_flight, None
+        changed: list[Request] = []
+        if previous is not None and previous.verified is not None:
+            # A verify step left in flight: the next one is made on the device behind it
+            # when nothing else changed, and only then is it read back.
+            chained = self._launch_chained(previous)
+            changed = self._resolve(previous)
+            previous = None
+            if chained is not None:
+                self.in_flight = self._settle_chained(chained)
+                return ended + changed
         if self.speculative is not None:
             self._propose_drafts()
         scheduled = self.scheduler.schedule().scheduled
-        if not scheduled and previous is None and not ended:
+        if not scheduled and previous is None and not ended and not changed:
             if self.grammar_waiting:
                 self.grammar_jobs.wait(GRAMMAR_WAIT_S)
                 return []
@@ -827,15 +845,83 @@ class EngineCore:
             if scheduled else None
         if launched is not None and isinstance(self.proposer, DrafterProposer):
             self.proposer.draft_ahead(launched)
-        changed = self._resolve(previous) if previous is not None else []
+        if previous is not None:
+            changed += self._resolve(previous)
         if launched is not None:
             if self.overlap_schedule and not any(
-                    r.needs_token_values for r in launched.sampled):
+                    r.needs_token_values for r in launched.sampled) \
+                    or self._may_chain(launched):
                 self.in_flight = launched
             else:
                 changed += self._resolve(launched)
         # A request in both steps is reported once.
         return ended + list(dict.fromkeys(changed))
+
+    def _may_chain(self, step: LaunchedStep) -> bool:
+        """Whether a launched verify step may be followed by one made on the device: every
+        request verified greedily with as many drafts, nothing else in the step, the next
+        drafts queued on the device for exactly its requests, no adapter (nor a KV connector,
+        whose per-layer hooks read the host's batch)."""
+        if (not self.chain_verify_steps or step.verified is None or not step.sampled
+                or self.kv_connector is not None):
+            return False
+        ahead = self.proposer.ahead
+        num_drafts = len(step.drafts[0])
+        return (ahead is not None and len(ahead[0]) == len(step.sampled)
+                and num_drafts == min(self.speculative.num_speculative_tokens,
+                                      ahead[1].shape[1])
+                and len(step.scheduled) == len(step.sampled)
+                and all(item.num_new_tokens == num_drafts + 1 and len(drafts) == num_drafts
+                        for item, drafts in zip(step.scheduled, step.drafts))
+                and verified_in_graph(step.verified.rows)
+                and all(r.lora is None for r in step.sampled))
+
+    def _launch_chained(self, previous: LaunchedStep) -> LaunchedStep | None:
+        """The verify step after `previous` (launched, not read back), made on the device,
+        when it is the step the scheduler would make whatever `previous` accepts: the same
+        requests, all still running and none waiting to join, each with room for a full
+        block of drafts even if `previous` accepted all of its own. None, launching nothing,
+        otherwise. Blocks are allocated for that longest case."""
+        if not self._may_chain(previous) or self.scheduler.waiting or self.pending_siblings:
+            return None
+        requests = previous.sampled
+        if len(self.scheduler.running) != len(requests) or any(
+                r.is_finished or r.request_id not in self.proposer.ahead[0] for r in requests):
+            return None
+        # Each request holds one pending token now; `previous` emits at most q.
+        q = len(previous.drafts[0]) + 1
+        for request in requests:
+            if self.max_model_len - request.num_tokens < 2 * q - 1 or (
+                    request.params.max_tokens is not None
+                    and request.params.max_tokens - request.num_output_tokens < 2 * q - 1):
+                return None
+        if not all(self.kv_cache.allocate(request, q) for request in requests):
+            return None  # the blocks allocated so far serve the next steps anyway
+        rows, tokens = self.proposer.ahead
+        step = self.runner.launch_chained(
+            previous, (tokens, [rows[r.request_id] for r in requests]))
+        self.chained_steps += 1
+        return step
+
+    def _settle_chained(self, step: LaunchedStep) -> LaunchedStep:
+        """A chained step's requests, once the step before it is read back: each continues
+        from its last emitted token, as if the scheduler had scheduled it (those that ended
+        meanwhile are skipped when the step is read back). The next drafts are then queued
+        behind it."""
+        for item in step.scheduled:
+            request = item.request
+            step.starts.append(request.num_computed_tokens)
+            step.draft_anchors.append(request.num_computed_tokens)
+            if request.is_finished:
+                continue
+            request.spec_token_ids = [0] * (item.num_new_tokens - 1)
+            request.num_computed_tokens += item.num_new_tokens
+            request.add_pending_token(self.max_model_len)
+        if any(item.request.is_finished for item in step.scheduled):
+            self.proposer.ahead = None  # the next step drafts afresh, without them
+        else:
+            self.proposer.draft_ahead(step)
+        return step
 
     def _propose_drafts(self) -> None:
         """Drafts for every running request that decodes next: at most
@@ -959,8 +1045,8 @@ class EngineCore:
             emitted_tokens, emitted_logprobs = step.verified.read()
             tokens = dict(zip(step.sampled, emitted_tokens))
             logprobs = dict(zip(step.sampled, emitted_logprobs))
-            for drafts, emitted in zip(step.drafts, emitted_tokens):
-                if drafts:
+            for request, drafts, emitted in zip(step.sampled, step.drafts, emitted_tokens):
+                if drafts and not request.is_finished:
                     self.spec_stats.record(len(drafts), len(emitted) - 1)
                     self.acceptance.record(len(drafts), len(emitted) - 1)
         else:

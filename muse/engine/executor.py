@@ -26,6 +26,7 @@ import torch
 
 from muse.engine.metadata import HostBatch
 from muse.engine.worker import GreedyVerified, ModelWorker, PendingInputs
+from muse.speculative.chained_step import ChainedBatch
 
 logger = logging.getLogger("muse.engine")
 # After a failed collective, how long to wait for the process that caused it to be seen dead.
@@ -78,6 +79,11 @@ class UniExecutor(Executor):
                 greedy_verify: bool = False) -> torch.Tensor | GreedyVerified:
         return self.worker.execute(batch, logits_rows, pending, previous_tokens,
                                    greedy_verify)
+
+    def execute_chained(self, batch: ChainedBatch) -> torch.Tensor | GreedyVerified:
+        """A verify step made on the device (`ModelWorker.execute_chained`): one rank only,
+        whose device holds the step before."""
+        return self.worker.execute_chained(batch)
 
 
 # Sent instead of a step when the engine has been idle a while (see MultiprocExecutor).

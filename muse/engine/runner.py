@@ -16,6 +16,7 @@ from muse.engine.scheduler import ScheduledRequest
 from muse.engine.transfer import HostCopy, to_device
 from muse.engine.worker import GreedyVerified
 from muse.multimodal.engine_inputs import MediaSlice, media_slices
+from muse.speculative.chained_step import chained_batch
 from muse.speculative.sampling import (VerifiedDrafts, drafts_verified_in_graph,
                                        sample_with_drafts, verified_in_graph)
 from muse.model.decoder import EngineModel
@@ -227,6 +228,46 @@ class ModelRunner:
             step.tokens, step.read_logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
             step.tokens_on_host = HostCopy(step.tokens)
+        return step
+
+    @torch.inference_mode()
+    def launch_chained(self, previous: LaunchedStep, drafts: tuple[torch.Tensor, list[int]]
+                       ) -> LaunchedStep:
+        """Queue the verify step that follows `previous` (a greedy verify step of the same
+        requests, each with as many drafts, not read back yet), its inputs made on the device
+        (`chained_step`): `drafts` are the next drafts (tensor, each request's row). Each
+        request's blocks must already hold its longest case. The step's `starts` and
+        `draft_anchors` are left for when `previous` is read back."""
+        verified, requests = previous.verified, previous.sampled
+        num_drafts = len(previous.drafts[0])
+        q = num_drafts + 1
+        kinds = list(self.kv_cache.groups)
+        tables: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+        first_blocks: dict[str, list[int]] = {kind: [] for kind in kinds}
+        for request, start in zip(requests, previous.starts):
+            held = self.kv_cache.block_tables(request)
+            end_block = -(-(start + 2 * q) // self.block_size)
+            for kind in kinds:
+                # The earliest the block can start (every draft rejected) to the latest end.
+                first = self.kv_cache.window_start_block(kind, start + 1)
+                tables[kind].append(held[kind][first:end_block])
+                first_blocks[kind].append(first)
+        tokens, rows = drafts
+        next_drafts = tokens.index_select(0, to_device(rows, self.device))[:, :num_drafts]
+        batch = chained_batch(verified.accepted, verified.outputs, next_drafts,
+                              list(previous.starts), tables, first_blocks, self.block_size)
+        batch.kv_transfers = self.kv_cache.take_transfers()
+        step = LaunchedStep(
+            [ScheduledRequest(request, q) for request in requests], [], list(requests),
+            drafts=[[0] * num_drafts for _ in requests],
+            draft_probs=[None] * len(requests), device_drafts=drafts)
+        out = self.executor.execute_chained(batch)
+        if isinstance(out, GreedyVerified):
+            step.verified = drafts_verified_in_graph(out.rows, verified.rows, step.drafts,
+                                                     out.next_drafts)
+        else:
+            step.verified = sample_with_drafts(out, verified.rows, step.drafts,
+                                               device_drafts=drafts)
         return step
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from muse.kernels.attention_metadata import ContextParallelMetadata
 from muse.model.decoder import EngineModel
 from muse.multimodal.encoder_cache import EncoderCache
 from muse.multimodal.engine_inputs import MediaEncoders, scatter_media
+from muse.speculative.chained_step import ChainedBatch
 
 # Input positions still on the device (sampled by the step before and not read back, or
 # drafts left there by the drafter), and the rows of the tensor that holds them.
@@ -142,6 +143,26 @@ class ModelWorker:
         if self.host_store is not None and self.host_store.pending:
             raise RuntimeError("host-tier loads were left pending after a forward pass")
         return logits
+
+    @torch.inference_mode()
+    def execute_chained(self, batch: ChainedBatch) -> torch.Tensor | GreedyVerified:
+        """A verify step made on the device from the one before (`ChainedBatch`), every row
+        verified greedily: its graph's greedy verification where a graph holds it, else the
+        logits of all its rows."""
+        if batch.kv_transfers:
+            self.host_store.apply(batch.kv_transfers)
+        if not self.eager_layers and not self.model.kv_scales_pending:
+            for graphs in self.graphs:
+                size = graphs.prepare_chained(batch)
+                if size is not None:
+                    if self.host_store is not None:
+                        self.host_store.finish_loads()
+                    verified = graphs.replay_greedy(size, batch.num_requests)
+                    if verified is not None:
+                        return GreedyVerified(*verified)
+                    return self.model.compute_logits(graphs.replay(size, batch))
+        hidden = self.model(batch.input_ids, batch.metadata(), self.kv_caches)
+        return self.model.compute_logits(hidden)
 
     def _logits(self, hidden: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
         if not logits_rows:

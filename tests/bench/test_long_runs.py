@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from muse.cli import main
-from tests.live_server import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 # Single requests of a few tokens: levels cost the server little.
 RANDOM = ["--workload", "random", "--input-tokens", "16:32", "--output-tokens", "4:4"]

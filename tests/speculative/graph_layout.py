@@ -2,8 +2,9 @@
 step's logits are laid out a request a row, padded past each request's own rows with rows
 that would extend its accepted run if they were counted, verified by `verify_greedy_rows`,
 and (with a drafter) followed by the next drafts made from that verification as the graph
-makes them (`DrafterProposer.draft_next`). What the engine then does with the answer is the
-graph path's, without a GPU."""
+makes them (`DrafterProposer.draft_next`). Verify steps made on the device from the step
+before (`ModelWorker.execute_chained`) are answered the same way. What the engine then does
+with the answer is the graph path's, without a GPU."""
 
 from __future__ import annotations
 
@@ -39,13 +40,29 @@ class GraphLayoutWorker:
             assert logits_rows == list(range(batch.num_tokens))
             return layout.answer(batch, logits)
 
+        real_chained = ModelWorker.execute_chained
+
+        def execute_chained(worker, batch):
+            logits = real_chained(worker, batch)
+            q = batch.query_len
+            layout._ids = batch.input_ids
+            starts = list(range(0, batch.num_tokens + 1, q))
+            return layout.answer(batch, logits, starts, batch.positions[::q],
+                                 {kind: table for kind, table in batch.tables.items()})
+
         monkeypatch.setattr(ModelWorker, "_fill_pending", fill)
         monkeypatch.setattr(ModelWorker, "execute", execute)
+        monkeypatch.setattr(ModelWorker, "execute_chained", execute_chained)
 
-    def answer(self, batch: Any, logits: torch.Tensor) -> GreedyVerified:
+    def answer(self, batch: Any, logits: torch.Tensor, starts: list[int] | None = None,
+               first_positions: torch.Tensor | None = None,
+               tables: dict[str, torch.Tensor] | None = None) -> GreedyVerified:
+        """`starts`, `first_positions` and `tables` for a chained step (`ChainedBatch`); a
+        `HostBatch` gives its own."""
         self.asked.append(batch.num_requests)
-        starts, ids = batch.query_start, self._ids
-        width = batch.max_query_len + 2
+        starts = batch.query_start if starts is None else starts
+        ids = self._ids
+        width = max(end - start for start, end in zip(starts, starts[1:])) + 2
         best = torch.zeros(batch.num_requests, width, dtype=torch.long)
         padded = torch.zeros(batch.num_requests, width, dtype=torch.long)
         for r, (start, end) in enumerate(zip(starts, starts[1:])):
@@ -58,7 +75,11 @@ class GraphLayoutWorker:
             return GreedyVerified(verified)
         accepted = verified[:, 0]
         anchors = verified[:, 1:].gather(1, accepted[:, None]).squeeze(1)
-        positions = torch.tensor([batch.positions[s] for s in starts[:-1]]) + accepted + 1
-        tables = {kind: torch.tensor([t + [0] * (batch.table_width(kind) - len(t))
-                                      for t in rows]) for kind, rows in batch.tables.items()}
+        if first_positions is None:
+            first_positions = torch.tensor([batch.positions[s] for s in starts[:-1]])
+        positions = first_positions + accepted + 1
+        if tables is None:
+            tables = {kind: torch.tensor([t + [0] * (batch.table_width(kind) - len(t))
+                                          for t in rows])
+                      for kind, rows in batch.tables.items()}
         return GreedyVerified(verified, self.proposer.draft_next(anchors, positions, tables))

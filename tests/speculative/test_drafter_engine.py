@@ -158,7 +158,9 @@ def test_a_verification_made_in_the_graph_gives_plain_decodings_output(drafter_d
         assert len(layout.asked) > 5
         assert (stats.num_accepted_tokens > 0) == (method == "ngram")
         if method == "dspark":
-            assert proposer.steps_drafted_ahead >= len(layout.asked) - len(prompts)
+            # Chained steps take the drafts made ahead on the device directly.
+            assert proposer.steps_drafted_ahead + drafted.engine.chained_steps \
+                >= len(layout.asked) - len(prompts)
             assert len(own_passes) <= 2 * len(prompts)  # after prefills, not after verifies
 
 

@@ -12,7 +12,7 @@ import pytest
 from muse import LLM, SamplingParams
 from muse.speculative.drafter import MuseDrafter, save_drafter
 from muse.speculative.drafter_config import DrafterConfig
-from tests.live_server import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

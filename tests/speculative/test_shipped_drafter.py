@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from muse import LLM, SamplingParams
-from tests.live_server import REPO_ROOT
+from tests.conftest import REPO_ROOT
 from tests.speculative.graph_layout import GraphLayoutWorker
 
 SHIPPED = REPO_ROOT / "checkpoints" / "muse-spark-default"
@@ -67,13 +67,16 @@ def test_drafts_made_after_the_verification_are_the_drafters_own(monkeypatch):
 def test_verify_graphs_that_draft_accept_what_the_eager_path_accepts():
     """On the GPU (float32, so padding cannot flip a near tie): the verify graphs' greedy
     verification and their next drafts give the eager engine's output and acceptance
-    counters, and the drafter's own graphs replay only after prefills."""
+    counters, and the drafter's own graphs replay only after prefills; so do verify steps
+    made on the device from the step before (the overlapped schedule), copied into the same
+    graphs (padding rows included: 5 requests in a bucket of 8)."""
     params = SamplingParams(temperature=0.0, max_tokens=48)
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
     spec = {"method": "dspark", "num_speculative_tokens": 7}
     results = []
-    for eager in (True, False):
-        llm = LLM(str(SHIPPED), dtype="float32", enforce_eager=eager, speculative_config=spec)
+    for eager, overlap in ((True, False), (False, False), (False, True)):
+        llm = LLM(str(SHIPPED), dtype="float32", enforce_eager=eager, speculative_config=spec,
+                  overlap_schedule=overlap)
         outputs = [o.outputs[0].token_ids for o in llm.chat(messages, params)]
         stats = llm.engine.spec_stats
         results.append((outputs, stats.num_drafts, stats.num_accepted_tokens,
@@ -82,5 +85,7 @@ def test_verify_graphs_that_draft_accept_what_the_eager_path_accepts():
             worker, proposer = llm.engine.executor.worker, llm.engine.proposer
             assert sum(g.verified_replays for g in worker.graphs) > 0
             assert proposer.graphs.replays <= 2 * len(QUESTIONS)
+        assert (llm.engine.chained_steps > 0) == overlap
+        assert llm.engine.kv_cache.usage() == 0.0
         llm.shutdown()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
