@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -59,6 +60,16 @@ GREEDY_VERIFY_MAX_LOGITS_BYTES = 256 * 2**20
 # Greedy drafts [requests, G] from each request's anchor token and position [requests] and
 # the step's block tables by kind (`DrafterProposer.draft_next`).
 DraftNext = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+# Batch buckets up to this size get greedy versions whose drafting reads narrower block tables
+# (`draft_widths`): the drafter attends over every row of the table it is given, so a short
+# context would otherwise pay for `max_model_len` rows each step.
+NARROW_DRAFT_MAX_BATCH = 16
+
+
+def draft_widths(full: int) -> list[int]:
+    """The block-table widths the drafting of a greedy verify graph is captured for: 1/32,
+    1/8 and 1/2 of the full width (at least one block) and the full width."""
+    return sorted({max(1, full // 32), max(1, full // 8), max(1, full // 2), full})
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -135,11 +146,13 @@ class DecodeGraphs:
         self.host_real_rows: list[int] = []
         self.device = device
         # bucket -> (graph, its outputs); `greedy_graphs`: the versions with the greedy
-        # verification, for the buckets that hold it
+        # verification, for the buckets that hold it, by (bucket, the drafting's table width)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
-        self.greedy_graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.greedy_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.full_width = max(table_widths.values()) if table_widths else 0
         self.replays = 0
         self.verified_replays = 0  # replays whose greedy verification was taken
+        self.greedy_replay_widths: Counter[int] = Counter()  # by the drafting's table width
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, BatchMetadata]:
         tokens = size * self.query_len
@@ -162,27 +175,36 @@ class DecodeGraphs:
         for size in reversed(self.buckets):
             self.graphs[size] = self._capture_step(size, False, pool)
             if self._verifies(size):
-                self.greedy_graphs[size] = self._capture_step(size, True, pool)
+                for width in self._draft_widths(size):
+                    self.greedy_graphs[size, width] = self._capture_step(size, True, pool,
+                                                                         width)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for %s batches of %s in %.1f s",
                     "decode" if self.query_len == 1 else f"{self.query_len}-token",
                     ", ".join(map(str, self.buckets)), time.perf_counter() - start)
 
-    def _capture_step(self, size: int, greedy: bool, pool: tuple
+    def _draft_widths(self, size: int) -> list[int]:
+        """The drafting table widths bucket `size`'s greedy versions are captured for."""
+        if self.draft_next is None or size > NARROW_DRAFT_MAX_BATCH:
+            return [self.full_width]
+        return draft_widths(self.full_width)
+
+    def _capture_step(self, size: int, greedy: bool, pool: tuple, width: int | None = None
                       ) -> tuple[torch.cuda.CUDAGraph, StepOutputs]:
         # The warm-up run compiles kernels and settles allocations outside the capture.
-        self._step(size, greedy)
+        self._step(size, greedy, width)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             # Fresh metadata for the capture: kernels may keep views of a step on it
             # (`BatchMetadata.per_token`), and the warm-up's live outside the graph's memory.
-            outputs = self._step(size, greedy)
+            outputs = self._step(size, greedy, width)
         return graph, outputs
 
-    def _step(self, size: int, greedy: bool) -> StepOutputs:
+    def _step(self, size: int, greedy: bool, width: int | None = None) -> StepOutputs:
         """What a graph of bucket `size` holds: the forward over the static inputs, and in
-        the greedy version, the greedy verification and the next drafts."""
+        the greedy version, the greedy verification and the next drafts, made over the
+        first `width` blocks of each table."""
         input_ids, meta = self._inputs(size)
         hidden = self.model(input_ids, meta, self.kv_caches)
         if not greedy:
@@ -195,7 +217,7 @@ class DecodeGraphs:
         accepted = verified[:, 0]
         anchors = verified[:, 1:].gather(1, accepted[:, None]).squeeze(1)
         positions = meta.positions.view(size, self.query_len)[:, 0] + accepted + 1
-        tables = {kind: table[:size] for kind, table in self.tables.items()}
+        tables = {kind: table[:size, :width] for kind, table in self.tables.items()}
         return StepOutputs(hidden, verified, self.draft_next(anchors, positions, tables))
 
     def _verifies(self, size: int) -> bool:
@@ -370,16 +392,22 @@ class DecodeGraphs:
             return outputs.hidden[:batch.num_requests]
         return outputs.hidden.index_select(0, self.real_rows[:batch.num_tokens])
 
-    def replay_greedy(self, size: int, count: int
+    def replay_greedy(self, size: int, count: int, width: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay the greedy version of bucket `size` for the `count` requests `prepare`
         filled it with: their greedy verification [count, 1 + query_len]
         (`verify_greedy_rows`) and the next drafts [count, G] made after it (None without
-        `draft_next`), views of the graph's outputs valid until its next replay. None, with
-        nothing replayed, where the bucket has no greedy version."""
-        if size not in self.greedy_graphs:
+        `draft_next`), views of the graph's outputs valid until its next replay. `width`: the
+        widest block table of the step (None: any); the version whose drafting reads the
+        fewest blocks that hold it replays. None, with nothing replayed, where the bucket has
+        no greedy version."""
+        widths = [w for s, w in self.greedy_graphs if s == size
+                  and (width is None or w >= width)]
+        if not widths:
             return None
-        graph, outputs = self.greedy_graphs[size]
+        chosen = min(widths) if width is not None else max(widths)
+        graph, outputs = self.greedy_graphs[size, chosen]
+        self.greedy_replay_widths[chosen] += 1
         graph.replay()
         self.replays += 1
         self.verified_replays += 1

@@ -157,7 +157,8 @@ class ModelWorker:
                 if size is not None:
                     if self.host_store is not None:
                         self.host_store.finish_loads()
-                    verified = graphs.replay_greedy(size, batch.num_requests)
+                    verified = graphs.replay_greedy(size, batch.num_requests, max(
+                        batch.table_width(kind) for kind in batch.tables))
                     if verified is not None:
                         return GreedyVerified(*verified)
                     return self.model.compute_logits(graphs.replay(size, batch))
@@ -253,7 +254,8 @@ class ModelWorker:
                                    previous_tokens)
                 if self.host_store is not None:
                     self.host_store.finish_loads()  # a replay calls no layer hooks
-                verified = graphs.replay_greedy(size, batch.num_requests) \
+                verified = graphs.replay_greedy(size, batch.num_requests, max(
+                    batch.table_width(kind) for kind in batch.tables)) \
                     if greedy_verify else None
                 if verified is not None:
                     return GreedyVerified(*verified)

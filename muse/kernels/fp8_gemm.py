@@ -46,13 +46,19 @@ SCALED_MM_BLOCK = (128, 128)  # the only weight block torch._scaled_mm scales
 ALIGN = 16  # K and N of torch._scaled_mm
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 rounded once, on every device: CUDA divides by a Python scalar as a
+    multiplication by its reciprocal (another rounding), the Triton kernels divide."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_fp8 [M, K] row-major, scale [M, 1] float32 contiguous), x ~ x_fp8 *
     scale; dynamic (row amax / 448) unless a static scalar `input_scale` is given."""
     values = x.float()
     if input_scale is None:
-        scale = values.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+        scale = _over_fp8_max(values.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX))
     else:
         scale = input_scale.float().reshape(1, 1).expand(values.shape[0], 1).contiguous()
     return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -65,7 +71,7 @@ def quantize_fp8_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     if width % group:
         raise ValueError(f"per-group FP8 activations need K ({width}) divisible by {group}")
     values = x.float().reshape(rows, width // group, group)
-    scale = values.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(values.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX))
     quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized.reshape(rows, width), scale.squeeze(-1)
 

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from muse import LLM, SamplingParams
-from muse.engine.cuda_graphs import DecodeGraphs, batch_buckets, prefill_query_lens
+from muse.engine.args import EngineArgs
+from muse.engine.cuda_graphs import (DecodeGraphs, StepOutputs, batch_buckets, draft_widths,
+                                     prefill_query_lens)
 from muse.engine.metadata import HostBatch
 from tests.engine.helpers import assert_greedy_is_well_defined, assert_same_outputs, mixed_prompts
 
@@ -217,6 +219,33 @@ def test_prefill_graph_replays_match_eager_prefills():
         outputs[eager] = [llm.generate([prompt], params)[0] for prompt in prompts]
         if not eager:
             prefill = [g for g in llm.engine.runner.executor.worker.graphs if g.query_len > 1]
-            assert prefill[0].query_len == 16 and prefill[-1].query_len == 512
+            assert prefill[0].query_len == 16
+            assert prefill[-1].query_len == EngineArgs.prefill_graph_max_tokens
             assert sum(g.replays for g in prefill) == len(prompts)  # every prefill step
     assert_same_outputs(outputs[False], outputs[True])
+
+
+def test_greedy_replay_drafts_over_the_narrowest_table_that_holds_the_step():
+    """A verify graph's greedy versions differ in how many blocks their drafting reads; a
+    step replays the narrowest that holds its widest table (any: the full one)."""
+    assert draft_widths(256) == [8, 32, 128, 256]
+    assert draft_widths(3) == [1, 3] and draft_widths(1) == [1]
+    graphs = DecodeGraphs(torch.nn.Module(), [], {"full_attention": 256}, 4, 16,
+                          torch.device("cpu"), query_len=8, greedy_verification=True)
+    replayed = []
+
+    class Graph:
+        def __init__(self, width: int) -> None:
+            self.width = width
+
+        def replay(self) -> None:
+            replayed.append(self.width)
+
+    outputs = StepOutputs(torch.zeros(1, 8), torch.zeros(4, 9), torch.zeros(4, 7))
+    for width in draft_widths(256):
+        graphs.greedy_graphs[1, width] = (Graph(width), outputs)
+    for width in (1, 8, 9, 100, 256, None):
+        assert graphs.replay_greedy(1, 1, width) is not None
+    assert replayed == [8, 8, 32, 128, 256, 256]
+    assert graphs.replay_greedy(2, 2, 8) is None  # no greedy version of that bucket
+    assert graphs.greedy_replay_widths == {8: 2, 32: 1, 128: 1, 256: 2}

@@ -276,6 +276,7 @@ def test_moe_method_hands_stored_weights_to_the_kernel(strategy: str) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 8)
             else:
                 param.copy_(torch.rand(param.shape, generator=gen) / 64 + 1 / 128)
+    layer.to(DEVICE)
     method.process_weights_after_loading(layer)
     weights, ids = routing(3, num_experts, 2, seed=1)
     x = activations(3, latent, dtype, 2)

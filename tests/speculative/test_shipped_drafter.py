@@ -85,6 +85,9 @@ def test_verify_graphs_that_draft_accept_what_the_eager_path_accepts():
             worker, proposer = llm.engine.executor.worker, llm.engine.proposer
             assert sum(g.verified_replays for g in worker.graphs) > 0
             assert proposer.graphs.replays <= 2 * len(QUESTIONS)
+            # Short chats draft over the narrowest tables captured, not max_model_len's.
+            verify = next(g for g in worker.graphs if g.greedy_replay_widths)
+            assert min(verify.greedy_replay_widths) < verify.full_width
         assert (llm.engine.chained_steps > 0) == overlap
         assert llm.engine.kv_cache.usage() == 0.0
         llm.shutdown()
