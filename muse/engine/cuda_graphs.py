@@ -276,15 +276,7 @@ class DecodeGraphs:
         self.token_rows[:, :tokens].copy_(staged[:offset].view(len(token_rows), tokens))
         self.request_rows[:, :size].copy_(
             staged[offset:offset + len(request_rows) * size].view(len(request_rows), size))
-        offset += len(request_rows) * size
-        for kind, (rows, values) in changes.items():
-            if rows:
-                width = len(values) // len(rows)
-                index = staged[offset:offset + len(rows)]
-                self.tables[kind][:, :width].index_copy_(
-                    0, index, staged[offset + len(rows):offset + len(rows) + len(values)]
-                    .view(len(rows), width))
-            offset += len(rows) + len(values)
+        offset = self._copy_table_rows(changes, staged, offset + len(request_rows) * size)
         self.real_rows[:len(real_rows)].copy_(staged[offset:])
         self.host_real_rows = real_rows
         return size
@@ -322,20 +314,26 @@ class DecodeGraphs:
         changes = {kind: self._changed_rows(batch.host_tables[kind] + pad, kind)
                    for kind in self.tables}
         if any(rows for rows, _ in changes.values()):
-            staged = to_device([value for rows, values in changes.values()
-                                for value in rows + values], self.device)
-            offset = 0
-            for kind, (rows, values) in changes.items():
-                if rows:
-                    width = len(values) // len(rows)
-                    self.tables[kind][:, :width].index_copy_(
-                        0, staged[offset:offset + len(rows)],
-                        staged[offset + len(rows):offset + len(rows) + len(values)]
-                        .view(len(rows), width))
-                offset += len(rows) + len(values)
+            self._copy_table_rows(changes, to_device(
+                [value for rows, values in changes.values() for value in rows + values],
+                self.device), 0)
         self.real_rows[:real].copy_(self.row_index[:real])
         self.host_real_rows = list(range(real))
         return size
+
+    def _copy_table_rows(self, changes: dict[str, tuple[list[int], list[int]]],
+                         staged: torch.Tensor, offset: int) -> int:
+        """Write `_changed_rows`' rows of every kind, staged on the device from `offset`
+        (each kind's row indices, then their entries); returns the offset past them."""
+        for kind, (rows, values) in changes.items():
+            if rows:
+                width = len(values) // len(rows)
+                self.tables[kind][:, :width].index_copy_(
+                    0, staged[offset:offset + len(rows)],
+                    staged[offset + len(rows):offset + len(rows) + len(values)]
+                    .view(len(rows), width))
+            offset += len(rows) + len(values)
+        return offset
 
     def _changed_rows(self, tables: list[list[int]], kind: str) -> tuple[list[int], list[int]]:
         """The rows of `tables` (a step's, padding rows included) that the static buffer of
