@@ -282,14 +282,16 @@ class EngineCore:
                                                         args.distributed_timeout_s, on_shutdown)
         else:
             self.executor = UniExecutor(worker)
+        self._init_scheduling()
         # Speculation's overlapped schedule (`muse.speculative.chained_step`): a greedy verify
         # step whose next drafts stay on the device is followed by the next one, made there,
-        # before it is read back.
+        # before it is read back (not with a KV connector, whose per-layer hooks read the
+        # host's batch).
         self.chain_verify_steps = (args.overlap_schedule and not worker_processes
                                    and isinstance(self.proposer, DrafterProposer)
-                                   and self.proposer.drafts_on_device)
+                                   and self.proposer.drafts_on_device
+                                   and self.kv_connector is None)
         self.chained_steps = 0
-        self._init_scheduling()
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             self.step_costs = self._profile_step_costs()
         sizes = self.block_bytes
@@ -860,10 +862,8 @@ class EngineCore:
     def _may_chain(self, step: LaunchedStep) -> bool:
         """Whether a launched verify step may be followed by one made on the device: every
         request verified greedily with as many drafts, nothing else in the step, the next
-        drafts queued on the device for exactly its requests, no adapter (nor a KV connector,
-        whose per-layer hooks read the host's batch)."""
-        if (not self.chain_verify_steps or step.verified is None or not step.sampled
-                or self.kv_connector is not None):
+        drafts queued on the device for exactly its requests, no adapter."""
+        if not self.chain_verify_steps or step.verified is None or not step.sampled:
             return False
         ahead = self.proposer.ahead
         num_drafts = len(step.drafts[0])

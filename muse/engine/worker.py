@@ -157,8 +157,8 @@ class ModelWorker:
                 if size is not None:
                     if self.host_store is not None:
                         self.host_store.finish_loads()
-                    verified = graphs.replay_greedy(size, batch.num_requests, max(
-                        batch.table_width(kind) for kind in batch.tables))
+                    verified = graphs.replay_greedy(size, batch.num_requests,
+                                                    _widest_table(batch))
                     if verified is not None:
                         return GreedyVerified(*verified)
                     return self.model.compute_logits(graphs.replay(size, batch))
@@ -254,9 +254,8 @@ class ModelWorker:
                                    previous_tokens)
                 if self.host_store is not None:
                     self.host_store.finish_loads()  # a replay calls no layer hooks
-                verified = graphs.replay_greedy(size, batch.num_requests, max(
-                    batch.table_width(kind) for kind in batch.tables)) \
-                    if greedy_verify else None
+                verified = graphs.replay_greedy(size, batch.num_requests,
+                                                _widest_table(batch)) if greedy_verify else None
                 if verified is not None:
                     return GreedyVerified(*verified)
                 return graphs.replay(size, batch)
@@ -317,3 +316,8 @@ class ModelWorker:
             return
         index = to_device([targets, sources], self.device)
         input_ids.index_copy_(0, index[0], previous_tokens.index_select(0, index[1]))
+
+
+def _widest_table(batch: HostBatch | ChainedBatch) -> int:
+    """The step's widest block table (blocks), which a greedy verify graph's drafting must hold."""
+    return max(batch.table_width(kind) for kind in batch.tables)

@@ -45,7 +45,6 @@ class ChainedBatch:
     tables: dict[str, torch.Tensor]  # kind -> [requests, width] from each first block
     first_blocks: dict[str, torch.Tensor]  # kind -> [requests]
     host_tables: dict[str, list[list[int]]]  # the tables' rows as the host built them
-    host_first_blocks: dict[str, list[int]]
     block_size: int
     kv_transfers: object = None  # copies between KV tiers to make first (`KVTransfers`)
 
@@ -105,4 +104,4 @@ def chained_batch(accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.T
         query_len=q, input_ids=torch.cat([anchors, drafts], dim=1).view(-1),
         positions=positions.view(-1), seq_lens=first_position + q, slots=slots,
         tables=device_tables, first_blocks=device_firsts, host_tables=tables,
-        host_first_blocks=first_blocks, block_size=block_size)
+        block_size=block_size)
