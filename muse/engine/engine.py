@@ -511,6 +511,8 @@ class EngineCore:
         # Verify graphs also draft the next blocks where the drafts stay on the device.
         draft_next = self.proposer.draft_next if isinstance(self.proposer, DrafterProposer) \
             and self.proposer.drafts_on_device else None
+        if isinstance(self.proposer, DrafterProposer):
+            self.proposer.kv.compile()  # before any capture: the warm-ups compile
 
         def capture(query_len: int, batch: int = max_batch, pool: tuple | None = None,
                     verify: bool = False) -> DecodeGraphs:

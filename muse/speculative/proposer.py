@@ -93,7 +93,7 @@ class DrafterProposer:
         """Greedy drafts [R, G] anchored at `anchors` / `positions` [R] over the step's block
         tables by kind: `draft_ahead`'s pass, for a verify graph to hold right after its
         verification (`DecodeGraphs(draft_next=...)`). Only fixed-shape tensor work."""
-        return self.kv.propose(anchors, positions, tables[DraftKV.kind], None).tokens
+        return self.kv.draft_greedily(anchors, positions, tables[DraftKV.kind])
 
     def capture_graphs(self, max_batch: int, table_width: int, device: torch.device) -> None:
         self.graphs = DraftGraphs(self.kv, max_batch, table_width, device,

@@ -4,6 +4,8 @@ greedy and sampled."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -25,8 +27,9 @@ def write_sequences(kv: DraftKV, drafter, rows: list[torch.Tensor]) -> list[list
         count = -(-length // BLOCK_SIZE)
         table = order[next_block:next_block + count].tolist()
         next_block += count
-        positions = torch.arange(length)
-        slots = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        positions = torch.arange(length, device=hidden.device)
+        slots = (torch.tensor(table, device=hidden.device)[positions // BLOCK_SIZE] * BLOCK_SIZE
+                 + positions % BLOCK_SIZE)
         meta = BatchMetadata(positions=positions, token_request=torch.zeros_like(positions),
                              query_start=torch.tensor([0, length]),
                              seq_lens=torch.tensor([length]), max_query_len=length,
@@ -94,3 +97,68 @@ def test_a_draft_block_holds_every_layers_keys_and_values(target):
     per_row = 2 * config.num_key_value_heads * config.head_dim * 2
     assert draft_block_bytes(config, 16, torch.bfloat16) == \
         config.num_hidden_layers * 16 * per_row
+
+
+def compiled_twin_cases(target, kv_device: torch.device, backend: str) -> None:
+    """`write` and `draft_greedily` through `DraftKV.compile(backend)` store the rows and give
+    the drafts of the eager `store_rows` / `greedy_drafts`, over batches and table widths of
+    several sizes, in inference mode as the engine calls them."""
+    on_device = copy.deepcopy(target).to(kv_device)
+    for variant in (dict(), ALL_V2, DSPARK):
+        drafter = make_drafter(target, **variant)
+        ids, hidden, _ = sequence(target, drafter.config, seed=6)
+        drafter = drafter.to(kv_device).bind_target(on_device.model.embed_tokens,
+                                                    on_device.lm_head)
+        ids, hidden = ids.to(kv_device), hidden.to(kv_device)
+        eager = DraftKV(drafter, NUM_BLOCKS, BLOCK_SIZE, kv_device)
+        compiled = DraftKV(drafter, NUM_BLOCKS, BLOCK_SIZE, kv_device)
+        assert compiled.compile(backend)
+        anchors = [5, 9, 14, 20]
+        with torch.inference_mode():
+            tables = write_sequences(eager, drafter, [hidden[:a + 2] for a in anchors])
+            assert write_sequences(compiled, drafter, [hidden[:a + 2] for a in anchors]) \
+                == tables
+            for (k, v), (k_twin, v_twin) in zip(compiled.pools, eager.pools):
+                torch.testing.assert_close(k, k_twin, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v, v_twin, atol=1e-5, rtol=1e-5)
+            for count in (1, 2, 4, 3):
+                width = max(len(t) for t in tables[:count]) + count % 2  # null-block padding
+                padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[:count]],
+                                      device=kv_device)
+                args = (ids[anchors[:count]], torch.tensor(anchors[:count], device=kv_device),
+                        padded)
+                assert torch.equal(compiled.draft_greedily(*args), eager.greedy_drafts(*args))
+
+
+def test_compiled_store_and_drafts_equal_the_eager_ones(target):
+    # aot_eager: dynamo's graph and AOT autograd's functionalized ops, without generating
+    # kernels (inductor's are compared on the GPU below and in the shipped-drafter test).
+    compiled_twin_cases(target, torch.device("cpu"), "aot_eager")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU kernels")
+def test_inductor_store_and_drafts_equal_the_eager_ones_on_the_gpu(target):
+    compiled_twin_cases(target, torch.device("cuda"), "inductor")
+
+
+def test_the_store_and_the_draft_pass_compile_as_one_graph_each(target):
+    drafter = make_drafter(target, **DSPARK)
+    kv = DraftKV(drafter, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
+    zero = torch.zeros(3, dtype=torch.long)
+    features = torch.zeros(3, drafter.config.num_target_features * drafter.config.hidden_size)
+    with torch.inference_mode():
+        for function, args in ((kv.greedy_drafts, (zero, zero, zero[:, None])),
+                               (kv.store_rows, (features, zero, torch.arange(3)))):
+            explained = torch._dynamo.explain(function)(*args)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+                explained.break_reasons
+
+
+def test_a_drafter_that_cannot_compile_stays_eager(target, caplog):
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    kv = DraftKV(make_drafter(target, **DSPARK), NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
+    assert not kv.compile(failing_backend)
+    assert kv._draft == kv.greedy_drafts and kv._store == kv.store_rows
+    assert "stays eager" in caplog.text
