@@ -11,7 +11,8 @@ and the drafter reads only rows before its anchor, the last committed token.
 The two passes a CUDA graph holds on every verify step, storing the rows and drafting the next
 block greedily, are a few hundred small kernels in eager PyTorch; where graphs are captured
 `compile` hands both to torch.compile, which fuses them into a few dozen. The eager functions
-stay the reference (`store_rows`, `greedy_drafts`) and the fallback if compiling fails.
+stay the reference (`context_rows`, `greedy_drafts`) and the fallback if compiling fails;
+the rows are scattered into the pools outside the compiled code.
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ class DraftKV:
                        torch.zeros(shape, dtype=drafter.dtype, device=device))
                       for _ in drafter.layers]
         # What `write` and `draft_greedily` run: the eager functions, or their compiled twins.
-        self._store = self.store_rows
+        self._rows = self.context_rows
         self._draft = self.greedy_drafts
 
     def write(self, features: torch.Tensor, meta: BatchMetadata) -> None:
         """Store the rows of a step's tokens: features [tokens, K*d] are the target's hidden
         states at the drafter's layers."""
+        slots = meta.kinds[self.kind].slot_mapping
         with torch.no_grad():
-            self._store(features, meta.positions, meta.kinds[self.kind].slot_mapping)
+            # The scatter stays outside the compiled code: there a write into a view of the
+            # pool is functionalized into a copy of the whole pool.
+            for (k, v), (k_pool, v_pool) in zip(self._rows(features, meta.positions),
+                                                self.pools):
+                k_pool.view(-1, *k_pool.shape[2:])[slots] = k
+                v_pool.view(-1, *v_pool.shape[2:])[slots] = v
 
     def draft_greedily(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
                        block_tables: torch.Tensor) -> torch.Tensor:
@@ -68,44 +75,43 @@ class DraftKV:
             return self._draft(anchor_tokens, anchor_positions, block_tables)
 
     def compile(self, backend: str | Callable = "inductor") -> bool:
-        """Run `write` and `draft_greedily` through torch.compile (`backend`), shapes dynamic
-        so that every batch bucket and table width shares one compilation (size 1 gets its
-        own). Each compiles on its first call, under inference mode as the engine runs it:
-        make that call outside a CUDA graph capture (the graphs' warm-up runs do). Returns
-        False, keeping the eager functions, where this torch cannot compile them (tried here
-        on a three-request draft). Not `fullgraph`: past dynamo's recompile limit a call runs
-        eagerly instead of failing (a test checks the passes compile as one graph each)."""
-        store = torch.compile(self.store_rows, backend=backend, dynamic=True)
+        """Run the rows `write` stores and `draft_greedily` through torch.compile (`backend`),
+        shapes dynamic so that every batch bucket and table width shares one compilation
+        (size 1 gets its own). Each compiles on its first call, under inference mode as the
+        engine runs it: make that call outside a CUDA graph capture (the graphs' warm-up runs
+        do). Returns False, keeping the eager functions, where this torch cannot compile them
+        (tried here on a three-request draft). Not `fullgraph`: past dynamo's recompile limit
+        a call runs eagerly instead of failing (a test checks each compiles as one graph)."""
+        rows = torch.compile(self.context_rows, backend=backend, dynamic=True)
         draft = torch.compile(self.greedy_drafts, backend=backend, dynamic=True)
         config, device = self.drafter.config, self.pools[0][0].device
         try:
             with torch.inference_mode():
-                # Rows of the null block (block 0: padding, never read as context) and drafts
-                # from empty contexts; the eager run first fills the drafter's rotary cache.
+                # Drafts from empty contexts (block 0 is the null block); the eager run first
+                # fills the drafter's rotary cache.
                 zero = torch.zeros(3, dtype=torch.long, device=device)
                 features = torch.zeros(3, config.num_target_features * config.hidden_size,
                                        dtype=self.drafter.dtype, device=device)
                 self.greedy_drafts(zero, zero, zero[:, None])
                 draft(zero, zero, zero[:, None])
-                store(features, zero, torch.arange(3, device=device))
+                rows(features, zero)
         except Exception as error:  # an unsupported platform or backend: stay eager
             logger.warning("the drafter stays eager: torch.compile failed (%s)", error)
             return False
-        self._store, self._draft = store, draft
+        self._rows, self._draft = rows, draft
         return True
 
-    def store_rows(self, features: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor) -> None:
-        """Store the drafter's K/V rows of tokens at `positions` [tokens] into pool `slots`
-        [tokens] from the target's hidden states `features` [tokens, K*d]. (Undecorated, as
-        `greedy_drafts`: each compiles as its own code, called under `no_grad` by `write`.)"""
+    def context_rows(self, features: torch.Tensor, positions: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each draft layer's K and V rows [tokens, kv_heads, head_dim] of tokens at
+        `positions` [tokens], from the target's hidden states `features` [tokens, K*d].
+        (Undecorated, as `greedy_drafts`: each compiles as its own code, called under
+        `no_grad`.)"""
         drafter = self.drafter
         context = drafter.fuse(features)
-        for layer, (k_pool, v_pool) in zip(drafter.layers, self.pools):
-            k, v = layer.self_attn.keys_values(context, *drafter._rotary(positions,
-                                                                          layer.layer_type))
-            k_pool.view(-1, *k_pool.shape[2:])[slots] = k
-            v_pool.view(-1, *v_pool.shape[2:])[slots] = v
+        return [layer.self_attn.keys_values(context, *drafter._rotary(positions,
+                                                                      layer.layer_type))
+                for layer in drafter.layers]
 
     @torch.no_grad()
     def propose(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,

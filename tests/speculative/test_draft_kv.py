@@ -101,7 +101,7 @@ def test_a_draft_block_holds_every_layers_keys_and_values(target):
 
 def compiled_twin_cases(target, kv_device: torch.device, backend: str) -> None:
     """`write` and `draft_greedily` through `DraftKV.compile(backend)` store the rows and give
-    the drafts of the eager `store_rows` / `greedy_drafts`, over batches and table widths of
+    the drafts of the eager `context_rows` / `greedy_drafts`, over batches and table widths of
     several sizes, in inference mode as the engine calls them."""
     on_device = copy.deepcopy(target).to(kv_device)
     for variant in (dict(), ALL_V2, DSPARK):
@@ -148,7 +148,7 @@ def test_the_store_and_the_draft_pass_compile_as_one_graph_each(target):
     features = torch.zeros(3, drafter.config.num_target_features * drafter.config.hidden_size)
     with torch.inference_mode():
         for function, args in ((kv.greedy_drafts, (zero, zero, zero[:, None])),
-                               (kv.store_rows, (features, zero, torch.arange(3)))):
+                               (kv.context_rows, (features, zero))):
             explained = torch._dynamo.explain(function)(*args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
                 explained.break_reasons
@@ -160,5 +160,5 @@ def test_a_drafter_that_cannot_compile_stays_eager(target, caplog):
 
     kv = DraftKV(make_drafter(target, **DSPARK), NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
     assert not kv.compile(failing_backend)
-    assert kv._draft == kv.greedy_drafts and kv._store == kv.store_rows
+    assert kv._draft == kv.greedy_drafts and kv._rows == kv.context_rows
     assert "stays eager" in caplog.text
