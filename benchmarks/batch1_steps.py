@@ -17,7 +17,8 @@ overlapped schedule: what making the next verify step on the device saves).
 --profile FILE adds two more passes of each mode after the timed one, over its first
 PROFILED_PROMPTS prompts, one under cProfile and one under torch.profiler, and writes to FILE
 the Python functions by cumulative time and the operators by self host time and by device
-time: where a step's time goes (the timed figures are from the pass without profilers).
+time: where a step's time goes (the timed figures are from the pass without profilers);
+--trace also writes each torch.profiler pass's timeline beside FILE.
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ def prefilling(engine: Any) -> bool:
                for r in [*scheduler.waiting, *scheduler.running])
 
 
-def profile_pass(run: Any, device: torch.device, title: str, path: Path) -> None:
-    """Two more passes, under cProfile and torch.profiler; their tables appended to `path`."""
+def profile_pass(run: Any, device: torch.device, title: str, path: Path,
+                 trace: bool = False) -> None:
+    """Two more passes, under cProfile and torch.profiler; their tables appended to `path`,
+    and with `trace` the torch.profiler pass's timeline beside it (`PATH.TITLE.json.gz`,
+    Chrome trace format: every kernel of every step, in order, with its start and length)."""
     import cProfile
+    import gzip
     import io
     import pstats
 
@@ -71,6 +76,12 @@ def profile_pass(run: Any, device: torch.device, title: str, path: Path) -> None
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         run()
+    if trace:
+        timeline = path.with_name(f"{path.stem}.{title}.json")
+        prof.export_chrome_trace(str(timeline))
+        with open(timeline, "rb") as raw, gzip.open(f"{timeline}.gz", "wb") as packed:
+            packed.write(raw.read())
+        timeline.unlink()
     averages = prof.key_averages()
     sections = [("self host time", "self_cpu_time_total")]
     if device.type == "cuda":
@@ -117,7 +128,8 @@ def run_mode(args: argparse.Namespace, device: torch.device, name: str,
     if args.profile:
         # A few prompts: the profiler keeps every operator it sees (gigabytes of them for an
         # eager run on the CPU).
-        profile_pass(lambda: run(PROFILED_PROMPTS), device, name, Path(args.profile))
+        profile_pass(lambda: run(PROFILED_PROMPTS), device, name, Path(args.profile),
+                     args.trace)
     llm.shutdown()
     record: dict[str, Any] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
                               "outside_steps_s": wall - sum(t for _, t in steps)}
@@ -147,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "the next is made (no overlapped schedule: what chaining saves)")
     parser.add_argument("--profile", default=None,
                         help="text file for one more pass of each mode under torch.profiler")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile, also write each profiled pass's timeline "
+                             "beside the text file (Chrome trace JSON, gzipped)")
     args = parser.parse_args(argv)
     if args.profile:
         Path(args.profile).write_text("")

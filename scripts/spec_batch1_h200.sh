@@ -35,7 +35,7 @@ part() {  # part NEEDED_SECONDS COMMAND...: runs it if that much time is left, w
 git log --oneline -1 >> "$LOG" 2>&1
 part 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/speculative/test_shipped_drafter.py \
     tests/speculative/test_drafter_engine.py tests/speculative/test_chained_steps.py \
-    tests/speculative/test_draft_kv.py \
+    tests/speculative/test_draft_kv.py tests/kernels/test_chained_rows.py \
     tests/engine/test_cuda_graphs.py
 part 90 "$PYTHON" benchmarks/batch1_steps.py --read-back ${PROFILE:+--eager-verification} \
     --out "$OUT/batch1-steps.json" ${PROFILE:+--profile "$OUT/batch1-profile.txt"}

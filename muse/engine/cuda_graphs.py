@@ -144,6 +144,9 @@ class DecodeGraphs:
         self.real_rows = zeros(tokens)  # verify: the padded row of each real token
         self.row_index = torch.arange(tokens, device=device)
         self.host_real_rows: list[int] = []
+        # (requests, bucket) of the last step `prepare_chained` filled the buffers with, None
+        # after `prepare`: its padding rows are still in place.
+        self.chained_layout: tuple[int, int] | None = None
         self.device = device
         # bucket -> (graph, its outputs); `greedy_graphs`: the versions with the greedy
         # verification, for the buckets that hold it, by (bucket, the drafting's table width)
@@ -249,6 +252,7 @@ class DecodeGraphs:
         Returns the bucket size, or None when the graphs do not cover the step."""
         if not self.covers(batch):
             return None
+        self.chained_layout = None  # the padding rows are rewritten below
         count = batch.num_requests
         size = next(s for s in self.buckets if s >= count)
         pad = [0] * (size - count)
@@ -283,33 +287,38 @@ class DecodeGraphs:
 
     def prepare_chained(self, batch: ChainedBatch) -> int | None:
         """`prepare` for a verify step made on the device (`ChainedBatch`): its rows are
-        copied from its tensors, the padding rows written as `prepare` writes them. Returns
-        the bucket size, or None when the graphs do not cover the step."""
+        copied from its tensors (two copies: its rows are laid out as the buffers), the
+        padding rows written as `prepare` writes them, only where the last step prepared
+        here was not a chained one of as many requests in the same bucket (the padding is
+        then already there). Returns the bucket size, or None when the graphs do not cover
+        the step."""
         count, q = batch.num_requests, batch.query_len
         if (q != self.query_len or count > self.buckets[-1]
                 or any(batch.table_width(kind) > table.shape[1]
                        for kind, table in self.tables.items())):
             return None
+        if batch.kinds != list(self.slots):
+            raise ValueError(f"the chained step's kinds {batch.kinds} are not the graphs' "
+                             f"{list(self.slots)}")
         size = next(s for s in self.buckets if s >= count)
         real, tokens = count * q, size * q
-        token_rows = self.token_rows[:, :tokens]
-        token_rows[0, :real].copy_(batch.input_ids)
-        token_rows[1, :real].copy_(batch.positions)
-        for i, kind in enumerate(self.slots):
-            token_rows[2 + i, :real].copy_(batch.slots[kind])
-        # Padding requests: token 0 at positions 0 .. q - 1 of the null block.
-        token_rows[:, real:].zero_()
-        self.positions[real:tokens].copy_(self.row_index[:tokens - real] % q)
-        self.seq_lens[:count].copy_(batch.seq_lens)
-        self.seq_lens[count:size].fill_(q)
-        for kind, first in batch.first_blocks.items():
-            self.first_blocks[kind][:count].copy_(first)
-            self.first_blocks[kind][count:size].zero_()
-        if self.num_query_tokens is not None:
-            self.num_query_tokens[:count].fill_(q)
-            self.num_query_tokens[count:size].fill_(1)
-        if self.lora_slots is not None:
-            self.lora_slots[:size].fill_(-1)
+        self.token_rows[:, :real].copy_(batch.token_rows)
+        self.request_rows[:batch.request_rows.shape[0], :count].copy_(batch.request_rows)
+        if self.chained_layout != (count, size):
+            # Padding requests: token 0 at positions 0 .. q - 1 of the null block.
+            self.token_rows[:, real:tokens].zero_()
+            self.positions[real:tokens].copy_(self.row_index[:tokens - real] % q)
+            self.seq_lens[count:size].fill_(q)
+            for first in self.first_blocks.values():
+                first[count:size].zero_()
+            if self.num_query_tokens is not None:
+                self.num_query_tokens[:count].fill_(q)
+                self.num_query_tokens[count:size].fill_(1)
+            if self.lora_slots is not None:
+                self.lora_slots[:size].fill_(-1)
+            self.real_rows[:real].copy_(self.row_index[:real])
+            self.host_real_rows = list(range(real))
+            self.chained_layout = (count, size)
         pad = [[0]] * (size - count)
         changes = {kind: self._changed_rows(batch.host_tables[kind] + pad, kind)
                    for kind in self.tables}
@@ -317,8 +326,6 @@ class DecodeGraphs:
             self._copy_table_rows(changes, to_device(
                 [value for rows, values in changes.values() for value in rows + values],
                 self.device), 0)
-        self.real_rows[:real].copy_(self.row_index[:real])
-        self.host_real_rows = list(range(real))
         return size
 
     def _copy_table_rows(self, changes: dict[str, tuple[list[int], list[int]]],

@@ -253,7 +253,9 @@ class ModelRunner:
                 tables[kind].append(held[kind][first:end_block])
                 first_blocks[kind].append(first)
         tokens, rows = drafts
-        next_drafts = tokens.index_select(0, to_device(rows, self.device))[:, :num_drafts]
+        if rows != list(range(len(rows))):  # else the rows are in the requests' order already
+            tokens = tokens.index_select(0, to_device(rows, self.device))
+        next_drafts = tokens[:len(rows), :num_drafts]
         batch = chained_batch(verified.accepted, verified.outputs, next_drafts,
                               list(previous.starts), tables, first_blocks, self.block_size)
         batch.kv_transfers = self.kv_cache.take_transfers()

@@ -20,7 +20,13 @@ case. Attention masks keys by position, so blocks in the table that a later star
 needs are never read.
 
 `ChainedBatch` is that step's batch; the worker copies it into a verify graph's buffers or runs
-it eagerly (`BatchMetadata` straight from its tensors).
+it eagerly (`BatchMetadata` straight from its tensors). Its per-token rows (input ids,
+positions, each kind's slots) and per-request rows (context lengths, each kind's first block)
+are two stacked tensors, laid out as a graph's input buffers, so the step reaches a graph in
+two copies. They are made by `chained_rows`: a dozen small tensor operations on the host's
+side for every step, so on a GPU one Triton launch (`muse.kernels.chained_rows_triton`) of
+which `chained_rows_torch` is the twin; the host's time per step is what a batch-1 verify
+step waits on.
 """
 
 from __future__ import annotations
@@ -38,23 +44,41 @@ class ChainedBatch:
     """A verify step of `num_requests` requests of `query_len` tokens each, on the device."""
 
     query_len: int
-    input_ids: torch.Tensor  # [requests * query_len]
-    positions: torch.Tensor  # [requests * query_len]
-    seq_lens: torch.Tensor  # [requests]
-    slots: dict[str, torch.Tensor]  # kind -> [requests * query_len]
+    token_rows: torch.Tensor  # [2 + kinds, requests * query_len]: ids, positions, slots
+    request_rows: torch.Tensor  # [1 + kinds, requests]: seq_lens, first blocks
+    kinds: list[str]
     tables: dict[str, torch.Tensor]  # kind -> [requests, width] from each first block
-    first_blocks: dict[str, torch.Tensor]  # kind -> [requests]
     host_tables: dict[str, list[list[int]]]  # the tables' rows as the host built them
     block_size: int
     kv_transfers: object = None  # copies between KV tiers to make first (`KVTransfers`)
 
     @property
+    def input_ids(self) -> torch.Tensor:
+        return self.token_rows[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.token_rows[1]
+
+    @property
+    def slots(self) -> dict[str, torch.Tensor]:
+        return {kind: self.token_rows[2 + i] for i, kind in enumerate(self.kinds)}
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.request_rows[0]
+
+    @property
+    def first_blocks(self) -> dict[str, torch.Tensor]:
+        return {kind: self.request_rows[1 + i] for i, kind in enumerate(self.kinds)}
+
+    @property
     def num_requests(self) -> int:
-        return self.seq_lens.shape[0]
+        return self.request_rows.shape[1]
 
     @property
     def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
+        return self.token_rows.shape[1]
 
     def table_width(self, kind: str) -> int:
         return self.tables[kind].shape[1]
@@ -62,46 +86,67 @@ class ChainedBatch:
     def metadata(self) -> BatchMetadata:
         """The step as the model reads it eagerly."""
         requests, q = self.num_requests, self.query_len
-        device = self.input_ids.device
+        device = self.token_rows.device
+        slots, firsts = self.slots, self.first_blocks
         return BatchMetadata(
             positions=self.positions,
             token_request=torch.arange(requests, device=device).repeat_interleave(q),
             query_start=torch.arange(requests + 1, device=device) * q,
             seq_lens=self.seq_lens, max_query_len=q,
-            kinds={kind: KindMetadata(self.slots[kind], self.tables[kind],
-                                      self.first_blocks[kind]) for kind in self.slots},
+            kinds={kind: KindMetadata(slots[kind], self.tables[kind], firsts[kind])
+                   for kind in self.kinds},
             block_size=self.block_size)
 
 
 def chained_batch(accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor,
                   starts: list[int], tables: dict[str, list[list[int]]],
-                  first_blocks: dict[str, list[int]], block_size: int) -> ChainedBatch:
+                  first_blocks: dict[str, list[int]], block_size: int,
+                  use_triton: bool | None = None) -> ChainedBatch:
     """The verify step after one whose requests started at `starts` (the position of the token
     before their drafts) and accepted `accepted` [R] drafts, emitting `emitted` [R, >= t + 1]
     (the accepted drafts and one more); `drafts` [R, q - 1] are the next block's drafts.
     `tables[kind][r]` holds request r's blocks from block `first_blocks[kind][r]` on, enough
-    for its longest case. Only device work: nothing here waits for the step before."""
-    requests, q = drafts.shape[0], drafts.shape[1] + 1
-    device = drafts.device
+    for its longest case. Only device work: nothing here waits for the step before.
+    `use_triton`: the one-launch kernel (default: on a GPU)."""
+    requests = drafts.shape[0]
     kinds = list(tables)
-    widths = [max(len(row) for row in tables[kind]) for kind in kinds]
+    width = max(len(row) for kind in kinds for row in tables[kind])
+    # One copy from the host: the starts, each kind's first blocks, each kind's tables padded
+    # to one width [kinds, R, width].
     staged = to_device(starts + [block for kind in kinds for block in first_blocks[kind]]
-                       + [block for kind, width in zip(kinds, widths) for row in tables[kind]
-                          for block in row + [0] * (width - len(row))], device)
-    start, *rest = staged.split([requests] * (1 + len(kinds))
-                                + [requests * width for width in widths])
-    firsts, flat_tables = rest[:len(kinds)], rest[len(kinds):]
-    anchors = emitted.gather(1, accepted[:, None])
-    first_position = start + accepted + 1
-    positions = first_position[:, None] + torch.arange(q, device=device)
-    slots, device_tables, device_firsts = {}, {}, {}
-    for kind, first, flat, width in zip(kinds, firsts, flat_tables, widths):
-        table = flat.view(requests, width)
-        blocks = table.gather(1, positions // block_size - first[:, None])
-        slots[kind] = (blocks * block_size + positions % block_size).view(-1)
-        device_tables[kind], device_firsts[kind] = table, first
+                       + [block for kind in kinds for row in tables[kind]
+                          for block in row + [0] * (width - len(row))], drafts.device)
+    start, firsts, flat = staged.split([requests, len(kinds) * requests,
+                                        len(kinds) * requests * width])
+    padded = flat.view(len(kinds), requests, width)
+    use_triton = drafts.is_cuda if use_triton is None else use_triton
+    if use_triton:
+        from muse.kernels.chained_rows_triton import chained_rows
+    else:
+        chained_rows = chained_rows_torch
+    token_rows, request_rows = chained_rows(accepted, emitted, drafts, start,
+                                            firsts.view(len(kinds), requests), padded,
+                                            block_size)
     return ChainedBatch(
-        query_len=q, input_ids=torch.cat([anchors, drafts], dim=1).view(-1),
-        positions=positions.view(-1), seq_lens=first_position + q, slots=slots,
-        tables=device_tables, first_blocks=device_firsts, host_tables=tables,
-        block_size=block_size)
+        query_len=drafts.shape[1] + 1, token_rows=token_rows, request_rows=request_rows,
+        kinds=kinds, tables={kind: padded[i, :, :max(len(row) for row in tables[kind])]
+                             for i, kind in enumerate(kinds)},
+        host_tables=tables, block_size=block_size)
+
+
+def chained_rows_torch(accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor,
+                       starts: torch.Tensor, firsts: torch.Tensor, tables: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chained step's rows: token rows [2 + K, R * q] (input ids, positions, then each of
+    the K kinds' cache slots) and request rows [1 + K, R] (context lengths, then each kind's
+    first block), from accepted [R], emitted [R, >= t + 1], drafts [R, q - 1], starts [R],
+    firsts [K, R] and tables [K, R, width] (kind k's blocks of request r from its first)."""
+    requests, q = drafts.shape[0], drafts.shape[1] + 1
+    anchors = emitted.gather(1, accepted[:, None])
+    first_position = starts + accepted + 1
+    positions = first_position[:, None] + torch.arange(q, device=drafts.device)
+    blocks = tables.gather(2, (positions // block_size - firsts[..., None]))
+    slots = blocks * block_size + positions % block_size
+    token_rows = torch.cat([torch.cat([anchors, drafts], dim=1)[None], positions[None], slots])
+    request_rows = torch.cat([(first_position + q)[None], firsts])
+    return token_rows.view(-1, requests * q), request_rows
