@@ -1042,6 +1042,10 @@ class EngineCore:
 
     def _resolve(self, step: LaunchedStep) -> list[Request]:
         """Read a launched step's tokens back and apply them to its requests."""
+        if all(item.request.is_finished for item in step.scheduled):
+            # Every request ended (or was aborted) while the step ran: nothing to read, so no
+            # wait for the device, whose writes for it land before any later step's.
+            return []
         if step.verified is not None:
             # Speculative: each request emits its accepted drafts and one more token.
             emitted_tokens, emitted_logprobs = step.verified.read()

@@ -109,3 +109,24 @@ def test_a_request_in_both_steps_read_back_is_reported_once(engines):
     assert len(plain.output_token_ids) == 2 and len(penalized.output_token_ids) == 1
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_step_whose_requests_all_ended_is_not_read_back(engines):
+    """A request aborted while its next step runs: that step is dropped without waiting for
+    the device (nothing of it is read), and the request's blocks are free."""
+    engine = engines[True].engine
+    request, = engine.add_request("aborted", random_prompt(20, 6), SamplingParams(
+        temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()  # the second token in flight
+    step = engine.in_flight
+    assert step is not None and step.scheduled[0].request is request
+
+    def not_read() -> list:
+        raise AssertionError("a step of ended requests was read back")
+
+    step.token_values = not_read
+    engine.abort("aborted")
+    assert engine.step() == [] and engine.in_flight is None
+    assert not engine.has_unfinished()
+    assert sum(p.num_used for p in engine.kv_cache.pools.values()) == 0
