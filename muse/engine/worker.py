@@ -320,4 +320,4 @@ class ModelWorker:
 
 def _widest_table(batch: HostBatch | ChainedBatch) -> int:
     """The step's widest block table (blocks), which a greedy verify graph's drafting must hold."""
-    return max(batch.table_width(kind) for kind in batch.tables)
+    return max(batch.table_width(kind) for kind in batch.kinds)

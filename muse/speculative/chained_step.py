@@ -47,7 +47,10 @@ class ChainedBatch:
     token_rows: torch.Tensor  # [2 + kinds, requests * query_len]: ids, positions, slots
     request_rows: torch.Tensor  # [1 + kinds, requests]: seq_lens, first blocks
     kinds: list[str]
-    tables: dict[str, torch.Tensor]  # kind -> [requests, width] from each first block
+    # Each kind's block tables from each request's first block, padded to one width
+    # [kinds, requests, width]; `widths`: each kind's own width.
+    padded_tables: torch.Tensor
+    widths: dict[str, int]
     host_tables: dict[str, list[list[int]]]  # the tables' rows as the host built them
     block_size: int
     kv_transfers: object = None  # copies between KV tiers to make first (`KVTransfers`)
@@ -81,19 +84,26 @@ class ChainedBatch:
         return self.token_rows.shape[1]
 
     def table_width(self, kind: str) -> int:
-        return self.tables[kind].shape[1]
+        return self.widths[kind]
+
+    @property
+    def tables(self) -> dict[str, torch.Tensor]:
+        """Each kind's tables [requests, its width], contiguous: copies made on each call
+        (for the eager path; a graph takes `host_tables`' changed rows)."""
+        return {kind: self.padded_tables[i, :, :self.widths[kind]].contiguous()
+                for i, kind in enumerate(self.kinds)}
 
     def metadata(self) -> BatchMetadata:
         """The step as the model reads it eagerly."""
         requests, q = self.num_requests, self.query_len
         device = self.token_rows.device
-        slots, firsts = self.slots, self.first_blocks
+        slots, firsts, tables = self.slots, self.first_blocks, self.tables
         return BatchMetadata(
             positions=self.positions,
             token_request=torch.arange(requests, device=device).repeat_interleave(q),
             query_start=torch.arange(requests + 1, device=device) * q,
             seq_lens=self.seq_lens, max_query_len=q,
-            kinds={kind: KindMetadata(slots[kind], self.tables[kind], firsts[kind])
+            kinds={kind: KindMetadata(slots[kind], tables[kind], firsts[kind])
                    for kind in self.kinds},
             block_size=self.block_size)
 
@@ -129,8 +139,8 @@ def chained_batch(accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.T
                                             block_size)
     return ChainedBatch(
         query_len=drafts.shape[1] + 1, token_rows=token_rows, request_rows=request_rows,
-        kinds=kinds, tables={kind: padded[i, :, :max(len(row) for row in tables[kind])]
-                             for i, kind in enumerate(kinds)},
+        kinds=kinds, padded_tables=padded,
+        widths={kind: max(len(row) for row in tables[kind]) for kind in kinds},
         host_tables=tables, block_size=block_size)
 
 
