@@ -334,7 +334,7 @@ def test_batch1_steps_splits_prefill_from_decode(tmp_path):
     profile = tmp_path / "profile.txt"
     record = batch1_steps.main(["--device", "cpu", "--prompts", "2", "--max-tokens", "6",
                                 "--out", str(out), "--profile", str(profile),
-                                "--eager-verification"])
+                                "--eager-verification", "--prefill-read-back"])
     assert json.loads(out.read_text())["results"].keys() == record["results"].keys()
     sections = [line for line in profile.read_text().splitlines() if line.startswith("== ")]
     modes = ("plain", "speculative", "speculative_eager_verification")
@@ -345,6 +345,9 @@ def test_batch1_steps_splits_prefill_from_decode(tmp_path):
         assert result["prefill"]["steps"] == 2  # one prompt at a time, each one step
         assert result["decode"]["steps"] >= 1 and result["output_tokens"] > 0
     assert record["results"]["speedup"] > 0
+    speculative = record["results"]["speculative"]
+    assert speculative["prefill_read_back"]["output_tokens"] == speculative["output_tokens"]
+    assert "prefill_read_back" not in record["results"]["plain"]
 
 
 def test_host_step_times_decode_steps_without_the_model(tmp_path):

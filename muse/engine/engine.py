@@ -291,6 +291,7 @@ class EngineCore:
                                    and isinstance(self.proposer, DrafterProposer)
                                    and self.proposer.drafts_on_device
                                    and self.kv_connector is None)
+        self.runner.chain_from_sampled_steps = self.chain_verify_steps
         self.chained_steps = 0
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             self.step_costs = self._profile_step_costs()
@@ -862,21 +863,27 @@ class EngineCore:
         return ended + list(dict.fromkeys(changed))
 
     def _may_chain(self, step: LaunchedStep) -> bool:
-        """Whether a launched verify step may be followed by one made on the device: every
-        request verified greedily with as many drafts, nothing else in the step, the next
-        drafts queued on the device for exactly its requests, no adapter."""
+        """Whether a launched step may be followed by a verify step made on the device: every
+        request verified greedily, either with a full block of drafts or with none (a greedy
+        step without drafts, such as a prompt's last chunk, reads back as a verification of
+        none), nothing else in the step, the next drafts queued on the device for exactly its
+        requests, no adapter."""
         if not self.chain_verify_steps or step.verified is None or not step.sampled:
             return False
         ahead = self.proposer.ahead
-        num_drafts = len(step.drafts[0])
-        return (ahead is not None and len(ahead[0]) == len(step.sampled)
-                and num_drafts == min(self.speculative.num_speculative_tokens,
-                                      ahead[1].shape[1])
+        if ahead is None or len(ahead[0]) != len(step.sampled):
+            return False
+        num_drafts = self._chained_drafts()
+        full = all(item.num_new_tokens == num_drafts + 1 and len(drafts) == num_drafts
+                   for item, drafts in zip(step.scheduled, step.drafts))
+        return ((full or not any(step.drafts))
                 and len(step.scheduled) == len(step.sampled)
-                and all(item.num_new_tokens == num_drafts + 1 and len(drafts) == num_drafts
-                        for item, drafts in zip(step.scheduled, step.drafts))
                 and verified_in_graph(step.verified.rows)
                 and all(r.lora is None for r in step.sampled))
+
+    def _chained_drafts(self) -> int:
+        """The number of drafts a chained verify step verifies per request: a full block."""
+        return min(self.speculative.num_speculative_tokens, self.proposer.ahead[1].shape[1])
 
     def _launch_chained(self, previous: LaunchedStep) -> LaunchedStep | None:
         """The verify step after `previous` (launched, not read back), made on the device,
@@ -890,18 +897,19 @@ class EngineCore:
         if len(self.scheduler.running) != len(requests) or any(
                 r.is_finished or r.request_id not in self.proposer.ahead[0] for r in requests):
             return None
-        # Each request holds one pending token now; `previous` emits at most q.
-        q = len(previous.drafts[0]) + 1
+        # Each request holds one pending token now; `previous` emits at most `emitted` (its
+        # drafts and one more), the chained step at most q.
+        emitted, q = len(previous.drafts[0]) + 1, self._chained_drafts() + 1
         for request in requests:
-            if self.max_model_len - request.num_tokens < 2 * q - 1 or (
+            if self.max_model_len - request.num_tokens < emitted + q - 1 or (
                     request.params.max_tokens is not None
-                    and request.params.max_tokens - request.num_output_tokens < 2 * q - 1):
+                    and request.params.max_tokens - request.num_output_tokens < emitted + q - 1):
                 return None
         if not all(self.kv_cache.allocate(request, q) for request in requests):
             return None  # the blocks allocated so far serve the next steps anyway
         rows, tokens = self.proposer.ahead
         step = self.runner.launch_chained(
-            previous, (tokens, [rows[r.request_id] for r in requests]))
+            previous, (tokens, [rows[r.request_id] for r in requests]), q - 1)
         self.chained_steps += 1
         return step
 

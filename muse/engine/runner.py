@@ -18,7 +18,8 @@ from muse.engine.worker import GreedyVerified
 from muse.multimodal.engine_inputs import MediaSlice, media_slices
 from muse.speculative.chained_step import chained_batch
 from muse.speculative.sampling import (VerifiedDrafts, drafts_verified_in_graph,
-                                       sample_with_drafts, verified_in_graph)
+                                       sample_with_drafts, verified_in_graph,
+                                       verified_without_drafts)
 from muse.model.decoder import EngineModel
 
 
@@ -70,6 +71,9 @@ class PreparedStep:
     # Every request verifies its drafts greedily and wants nothing else: a verify graph may
     # return the verification itself (`GreedyVerified`) in place of the logits.
     greedy_verify: bool = False
+    # No drafts, every request samples greedily: read back as a verify step of none
+    # (`ModelRunner.chain_from_sampled_steps`).
+    verify_without_drafts: bool = False
 
 
 def allocate_kv_caches(model: EngineModel, num_blocks: dict[str, int], block_size: int,
@@ -99,6 +103,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.grammar_compiler = None  # set by the engine once a request is constrained
         self.rejection_sample_method = "token"  # how drafts are verified (speculation)
+        # Where verify steps chain (`muse.speculative.chained_step`), a greedy step without
+        # drafts (a prompt's last chunk) reads back as a verify step of none, so that the
+        # first verify step can be made on the device behind it. Set by the engine.
+        self.chain_from_sampled_steps = False
         # With several ranks, what each step sends them (they mirror the requests).
         self.step_encoder = None
         if executor.has_other_ranks:
@@ -196,6 +204,11 @@ class ModelRunner:
             and all(item.num_new_tokens == len(drafts) + 1
                     for item, drafts in zip(scheduled, prepared.step.drafts))
             and verified_in_graph(prepared.sample_rows))
+        prepared.verify_without_drafts = (
+            self.chain_from_sampled_steps and bool(prepared.sample_rows)
+            and not any(prepared.step.drafts) and not prepared.prompt_spans
+            and len(prepared.step.sampled) == len(scheduled)
+            and verified_in_graph(prepared.sample_rows))
         if device_drafts:
             # Speculation reads each step back before the next: nothing else is pending.
             width = draft_tensor.shape[1]
@@ -227,29 +240,33 @@ class ModelRunner:
         elif prepared.sample_rows:
             step.tokens, step.read_logprobs = sample_on_device(
                 logits[prepared.first_sample:], prepared.sample_rows, self.grammar_compiler)
-            step.tokens_on_host = HostCopy(step.tokens)
+            if prepared.verify_without_drafts:
+                step.verified = verified_without_drafts(step.tokens, prepared.sample_rows)
+            else:
+                step.tokens_on_host = HostCopy(step.tokens)
         return step
 
     @torch.inference_mode()
-    def launch_chained(self, previous: LaunchedStep, drafts: tuple[torch.Tensor, list[int]]
-                       ) -> LaunchedStep:
-        """Queue the verify step that follows `previous` (a greedy verify step of the same
-        requests, each with as many drafts, not read back yet), its inputs made on the device
-        (`chained_step`): `drafts` are the next drafts (tensor, each request's row). Each
-        request's blocks must already hold its longest case. The step's `starts` and
-        `draft_anchors` are left for when `previous` is read back."""
+    def launch_chained(self, previous: LaunchedStep, drafts: tuple[torch.Tensor, list[int]],
+                       num_drafts: int) -> LaunchedStep:
+        """Queue the verify step of `num_drafts` drafts a request that follows `previous` (a
+        greedy verify step of the same requests, each with that many drafts or none, not read
+        back yet), its inputs made on the device (`chained_step`): `drafts` are the next
+        drafts (tensor, each request's row). Each request's blocks must already hold its
+        longest case. The step's `starts` and `draft_anchors` are left for when `previous` is
+        read back."""
         verified, requests = previous.verified, previous.sampled
-        num_drafts = len(previous.drafts[0])
         q = num_drafts + 1
+        reach = len(previous.drafts[0]) + 1 + q  # past the anchor: `previous`'s, then this
         kinds = list(self.kv_cache.groups)
         tables: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
         first_blocks: dict[str, list[int]] = {kind: [] for kind in kinds}
-        for request, start in zip(requests, previous.starts):
+        for request, anchor in zip(requests, previous.draft_anchors):
             held = self.kv_cache.block_tables(request)
-            end_block = -(-(start + 2 * q) // self.block_size)
+            end_block = -(-(anchor + reach) // self.block_size)
             for kind in kinds:
                 # The earliest the block can start (every draft rejected) to the latest end.
-                first = self.kv_cache.window_start_block(kind, start + 1)
+                first = self.kv_cache.window_start_block(kind, anchor + 1)
                 tables[kind].append(held[kind][first:end_block])
                 first_blocks[kind].append(first)
         tokens, rows = drafts
@@ -257,7 +274,8 @@ class ModelRunner:
             tokens = tokens.index_select(0, to_device(rows, self.device))
         next_drafts = tokens[:len(rows), :num_drafts]
         batch = chained_batch(verified.accepted, verified.outputs, next_drafts,
-                              list(previous.starts), tables, first_blocks, self.block_size)
+                              list(previous.draft_anchors), tables, first_blocks,
+                              self.block_size)
         batch.kv_transfers = self.kv_cache.take_transfers()
         step = LaunchedStep(
             [ScheduledRequest(request, q) for request in requests], [], list(requests),

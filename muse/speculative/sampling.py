@@ -137,6 +137,17 @@ def drafts_verified_in_graph(verified: torch.Tensor, rows: list[SamplingRow],
                           None, next_drafts)
 
 
+def verified_without_drafts(tokens: torch.Tensor, rows: list[SamplingRow]) -> VerifiedDrafts:
+    """A step's sampled tokens [R] as the verification of no drafts: each request accepted
+    none and emits its one token. Greedy rows without logprobs (`verified_in_graph`) only:
+    the same tokens and read-back as a plain step's, in the form a chained verify step is
+    made from."""
+    accepted = torch.zeros_like(tokens)
+    outputs = tokens[:, None]
+    return VerifiedDrafts(accepted, outputs, HostCopy(torch.stack([accepted, tokens], dim=1)),
+                          rows, list(range(len(rows))), None)
+
+
 def _processes_logits(params: SamplingParams) -> bool:
     """Whether `apply_logit_processing` changes anything for a request with these params."""
     return bool(params.logit_bias) or params.min_tokens > 0 or uses_output_tokens(params)

@@ -29,16 +29,19 @@ QUESTIONS = ["What is 37+45?", "What is 512-129?", "Compute 13*7.",
 def test_the_step_made_on_the_device_is_the_host_batch_at_the_accepted_start(seed):
     """Random requests, windows, tables and acceptances: the chained batch's tokens,
     positions, cache slots and context lengths are `build_host_batch`'s for the starts the
-    acceptances give, and its tables reach every block those queries can read."""
+    acceptances give, and its tables reach every block those queries can read. The step
+    before verified q - 1 drafts a request, or none (a prompt's last chunk)."""
     rng = random.Random(seed)
     block_size, window, q = rng.choice([(4, 9), (16, 40), (2, 5)]) + (rng.randint(2, 8),)
+    before = q if seed % 2 else 1  # the tokens the step before emits at most
     kinds = ["global", SLIDING]
     requests = rng.randint(1, 5)
     starts = [rng.randint(0, 90) for _ in range(requests)]
-    accepted = [rng.randint(0, q - 1) for _ in range(requests)]
-    emitted = torch.tensor([[rng.randrange(1000) for _ in range(q + 1)] for _ in range(requests)])
+    accepted = [rng.randint(0, before - 1) for _ in range(requests)]
+    emitted = torch.tensor([[rng.randrange(1000) for _ in range(before)]
+                            for _ in range(requests)])
     drafts = torch.tensor([[rng.randrange(1000) for _ in range(q - 1)] for _ in range(requests)])
-    full = [{kind: rng.sample(range(1, 500), -(-(start + 2 * q) // block_size))
+    full = [{kind: rng.sample(range(1, 500), -(-(start + before + q) // block_size))
              for kind in kinds} for start in starts]
     tables, firsts = {kind: [] for kind in kinds}, {kind: [] for kind in kinds}
     for start, table in zip(starts, full):
@@ -111,9 +114,9 @@ def test_a_request_alone_chains_every_steady_step_and_stops_at_its_end():
         want = run([question], params, overlap=False)
         got = run([question], params, overlap=True)
         assert got[:2] == want[:2]
-        # Every verify step but the first after the prefill is chained, plus one made
-        # behind the last before it was read back.
-        assert got[2] >= want[1][0] - 1
+        # Every verify step is chained, the first behind the prompt's last chunk, plus one
+        # made behind the last before it was read back.
+        assert got[2] == want[1][0] + 1
 
 
 @needs_drafter
