@@ -138,7 +138,7 @@ def random_dense(shape: tuple[int, ...], device: torch.device,
     return torch.randn(shape, dtype=DTYPE, device=device, generator=gen) * shape[-1] ** -0.5
 
 
-def _time_per_call(calls: list[Callable[[], object]], repeats: int) -> float:
+def time_per_call(calls: list[Callable[[], object]], repeats: int) -> float:
     """Median microseconds per call, the calls captured in one CUDA graph (compiled and warmed
     up on a side stream first, as a capture needs)."""
     stream = torch.cuda.Stream()
@@ -165,10 +165,10 @@ def _time_per_call(calls: list[Callable[[], object]], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timed(calls: list[Callable[[], object]], repeats: int) -> float | None:
-    """_time_per_call, or None where a candidate tile does not compile or fit."""
+def timed(calls: list[Callable[[], object]], repeats: int) -> float | None:
+    """time_per_call, or None where a candidate tile does not compile or fit."""
     try:
-        return _time_per_call(calls, repeats)
+        return time_per_call(calls, repeats)
     except Exception as error:  # noqa: BLE001 - a tile that does not fit is an answer too
         print(f"    tiles failed: {type(error).__name__}: {str(error)[:100]}")
         return None
@@ -182,7 +182,7 @@ def _figures(us: float | None, num_bytes: int, baseline_us: float | None = None)
     return row
 
 
-def _copies(num_bytes: int, flush_bytes: int) -> int:
+def copies_for(num_bytes: int, flush_bytes: int) -> int:
     return max(2, min(MAX_COPIES, math.ceil(flush_bytes / num_bytes)))
 
 
@@ -227,19 +227,19 @@ def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Nam
                             else choose_gemv_tiles(*shape, 16))}
     dense_bytes = weight_bytes("bf16", *shape)
     weights = [random_dense(shape, device, gen)
-               for _ in range(_copies(dense_bytes, args.flush_bytes))]
-    baseline = _time_per_call([lambda w=w: F.linear(x, w) for w in weights], args.repeats)
+               for _ in range(copies_for(dense_bytes, args.flush_bytes))]
+    baseline = time_per_call([lambda w=w: F.linear(x, w) for w in weights], args.repeats)
     record["bf16"] = _figures(baseline, dense_bytes + activations)
     del weights
     for fmt in formats:
         num_bytes = weight_bytes(fmt, *shape)
         fp4 = [random_fp4(fmt, shape, device, gen)
-               for _ in range(_copies(num_bytes, args.flush_bytes))]
-        us = _time_per_call([lambda w=w: w4a16_linear(x, w) for w in fp4], args.repeats)
+               for _ in range(copies_for(num_bytes, args.flush_bytes))]
+        us = time_per_call([lambda w=w: w4a16_linear(x, w) for w in fp4], args.repeats)
         record[fmt] = _figures(us, num_bytes + activations, baseline)
         if args.sweep_tiles:
             record[fmt]["sweep_us"] = {
-                str(list(vars(tiles).values())): _timed(
+                str(list(vars(tiles).values())): timed(
                     [lambda w=w, t=tiles: w4a16_linear(x, w, tiles=t) for w in fp4],
                     args.repeats)
                 for tiles in _sweep(rows, shape)}
@@ -247,7 +247,7 @@ def run_dense(case: DenseCase, rows: int, formats: list[str], args: argparse.Nam
                 from muse.kernels.w4a16_triton import w4a16_gemv
 
                 record[fmt]["sweep_gemv_us"] = {
-                    str(list(vars(tiles).values())): _timed(
+                    str(list(vars(tiles).values())): timed(
                         [lambda w=w, t=tiles: w4a16_gemv(x[0], w, tiles=t) for w in fp4],
                         args.repeats)
                     for tiles in _sweep_gemv(shape)}
@@ -285,13 +285,13 @@ def run_moe(case: MoECase, tokens: int, formats: list[str], args: argparse.Names
 
     gate_up = random_dense((experts, 2 * inter, latent), device, gen)
     down = random_dense((experts, latent, inter), device, gen)
-    baseline = _time_per_call(calls(gate_up, down), args.repeats)
+    baseline = time_per_call(calls(gate_up, down), args.repeats)
     record["bf16"] = _figures(baseline, per_call("bf16"))
     del gate_up, down
     for fmt in formats:
         gate_up = random_fp4(fmt, (experts, 2 * inter, latent), device, gen)
         down = random_fp4(fmt, (experts, latent, inter), device, gen)
-        record[fmt] = _figures(_time_per_call(calls(gate_up, down), args.repeats),
+        record[fmt] = _figures(time_per_call(calls(gate_up, down), args.repeats),
                                per_call(fmt), baseline)
     return record
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.gemv_triton import (GemvTiles, check_split, gemv_outputs, split_for,
+                                      store_gemv_output)
 from muse.kernels.w4a16 import Fp4Weight
 
 # Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands
@@ -81,25 +83,6 @@ def choose_tiles(num_rows: int, out_features: int, in_features: int,
     split_k = split_for(programs, triton.cdiv(in_features, block_k))
     return LinearTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages,
                        split_k)
-
-
-# Split-K for GEMMs of fewer output tiles than SPLIT_BELOW, up to TARGET_PROGRAMS programs:
-# measured on the H200 (`benchmarks/w4a16_gemm.py --sweep-tiles`, decode tiles 16 x 16 x 128,
-# one warp), o_proj's 128 tiles ran best split 8 ways and qkv_proj's 320 unsplit.
-SPLIT_BELOW = 256
-TARGET_PROGRAMS = 1024
-
-
-def split_for(programs: int, k_blocks: int) -> int:
-    """How many programs share each output tile's K (split-K), so that a GEMM of few output
-    tiles (decode: one 16-row block of M, a hundred-odd N tiles) still has enough weight loads
-    in flight; each takes whole BLOCK_K steps. 1 when the tiles alone are enough."""
-    if programs >= SPLIT_BELOW:
-        return 1
-    split = min(k_blocks, triton.cdiv(TARGET_PROGRAMS, programs))
-    # Equal whole steps per program, and no program left without one.
-    steps = triton.cdiv(k_blocks, split)
-    return triton.cdiv(k_blocks, steps)
 
 
 @triton.jit
@@ -225,14 +208,6 @@ def _w4a16_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@dataclass(frozen=True)
-class GemvTiles:
-    block_n: int
-    block_k: int  # a multiple of the scale block
-    num_warps: int
-    split_k: int = 1
-
-
 def choose_gemv_tiles(out_features: int, in_features: int, block: int) -> GemvTiles:
     """Tiles of the one-row kernel: 32 output rows x 256 inputs a step, four warps, split
     along K until there are enough programs (`split_for`). A first choice, to be swept on the
@@ -290,65 +265,19 @@ def _w4a16_gemv_kernel(
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one activation row and BLOCK_N outputs, over
     this program's K slice (`fp4_gemv_step`); the row factor multiplies each output's sum
     once. The twin rounds each weight to the activation dtype first: the results differ by
-    that rounding, well inside the tests' tolerance.
-
-    With SPLIT programs along K, each stores its partial sums (float32 [SPLIT, N] at
-    partial_ptr) and counts itself in at its output tile's counter; the last to arrive adds
-    the partials in split order (the same sums whichever arrives last), finishes the tile and
-    sets the counter back to 0 for the next call. One launch, where a reduction after the
-    kernel took two more (a third of a decode GEMV's time on the H200)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    that rounding, well inside the tests' tolerance. K may be split over programs (grid axis
+    1), whose partial sums `store_gemv_output` adds in the same launch."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
-    k_first = pid_k * K_PER_PROGRAM
+    k_first = tl.program_id(1) * K_PER_PROGRAM
     for k_start in range(k_first, k_first + K_PER_PROGRAM, BLOCK_K):
         acc += fp4_gemv_step(x_ptr, stride_xk, packed_ptr, scales_ptr, cols, col_ok, k_start,
                              stride_pn, stride_pk, stride_sn, stride_sk, K, BLOCK_N, BLOCK_K,
                              SCALE_BLOCK, SCALE_E8M0)
-    out = tl.sum(acc, axis=1)
-    if SPLIT > 1:
-        tl.store(partial_ptr + pid_k * N + cols, out, mask=col_ok)
-        # acq_rel: this program's partials are visible before its arrival is; the last one
-        # sees every partial stored before the arrivals it counts.
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for split in range(SPLIT):
-                out += tl.load(partial_ptr + split * N + cols, mask=col_ok, other=0.0,
-                               cache_modifier=".cg")
-            _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn,
-                         stride_yn, HAS_ROW_FACTOR, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
-    else:
-        _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn, stride_yn,
-                     HAS_ROW_FACTOR, HAS_BIAS)
-
-
-@triton.jit
-def _finish_gemv(out, cols, col_ok, row_factor_ptr, bias_ptr, y_ptr, stride_rn, stride_yn,
-                 HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr):
-    if HAS_ROW_FACTOR:
-        out *= tl.load(row_factor_ptr + cols * stride_rn, mask=col_ok, other=1.0).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + cols * stride_yn, out.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-# Arrival counters of split GEMVs, per device: zero between calls (each call's last program
-# of a tile sets its counter back), so one buffer serves every call on a stream in turn.
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        # Made before any CUDA graph capture in practice (warm-up runs eagerly first), and
-        # large enough that a later, wider call rarely needs a new one.
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[device] = counters
-    return counters
+    store_gemv_output(tl.sum(acc, axis=1), cols, col_ok, N, partial_ptr, counter_ptr,
+                      row_factor_ptr, bias_ptr, y_ptr, stride_rn, stride_yn, HAS_ROW_FACTOR,
+                      HAS_BIAS, SPLIT)
 
 
 def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = None,
@@ -363,28 +292,20 @@ def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = N
     if tiles.block_k % weight.block:
         raise ValueError(f"block_k {tiles.block_k} must be a multiple of the scale block "
                          f"{weight.block}")
-    steps = triton.cdiv(in_features, tiles.block_k)
-    split = tiles.split_k
-    if split < 1 or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
-        raise ValueError(f"split_k {split} must share the {steps} K steps with none idle")
-    y = torch.empty(out_features, dtype=x.dtype, device=x.device)
-    n_tiles = triton.cdiv(out_features, tiles.block_n)
-    partials = torch.empty(split, out_features, dtype=torch.float32, device=x.device) \
-        if split > 1 else y
-    counters = split_counters(x.device, n_tiles) if split > 1 else y
+    y, partials, counters, steps = gemv_outputs(x, out_features, in_features, tiles)
     scales, row_factor = weight.scale_bytes, weight.row_factor
     has_row_factor = row_factor is not None
     if row_factor is None:
         row_factor = scales  # any pointer; never read
-    _w4a16_gemv_kernel[(n_tiles, split)](
+    _w4a16_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), tiles.split_k)](
         x, weight.packed, scales, row_factor, bias if bias is not None else y, y, partials,
         counters, out_features, x.stride(0), weight.packed.stride(0), weight.packed.stride(1),
         scales.stride(0), scales.stride(1), row_factor.stride(0), y.stride(0),
         K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
         HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_PER_PROGRAM=triton.cdiv(steps, split) * tiles.block_k, SPLIT=split,
-        num_warps=tiles.num_warps,
+        K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return y
 
@@ -427,8 +348,7 @@ def w4a16_linear(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None =
         row_factor = scales  # any pointer; never read
     split = tiles.split_k
     steps = triton.cdiv(in_features, tiles.block_k)
-    if split < 1 or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
-        raise ValueError(f"split_k {split} must share the {steps} K steps with none idle")
+    check_split(split, steps)
     # Split-K: each program's float32 partial sum of one K slice, added up below (bias too).
     out = y2 if split == 1 else torch.empty(split, num_rows, out_features,
                                             dtype=torch.float32, device=x.device)

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from muse.kernels.dense_linear import dense_linear
 from muse.kernels.moe_align import PairReduce
 
 WeightLoader = Callable[..., None]
@@ -127,7 +127,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):

@@ -30,8 +30,9 @@ from muse.kernels.w4a16 import (  # noqa: E402
     w4a16_linear_triton,
 )
 from muse.kernels.w4a16_triton import (GemvTiles, LinearTiles, choose_tiles,  # noqa: E402
-                                        split_counters, split_for, w4a16_gemv)
+                                        split_for, w4a16_gemv)
 from muse.kernels.w4a16_triton import w4a16_linear as linear_kernel  # noqa: E402
+from muse.kernels.gemv_triton import split_counters  # noqa: E402
 from tests.quantization.dequantize import nv_dequantize  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.kernels.hopper_compile import assert_script_compiles  # noqa: E402

@@ -60,7 +60,7 @@ def test_measures_every_case_at_toy_sizes(monkeypatch) -> None:
         timed.append(len(calls))
         return 10.0 if len(timed) % 3 == 1 else 4.0  # bf16 first, then the FP4 formats
 
-    monkeypatch.setattr(bench, "_time_per_call", fake_time_per_call)
+    monkeypatch.setattr(bench, "time_per_call", fake_time_per_call)
     monkeypatch.setattr(bench, "SWEEP_DECODE", [(16, 32, 1, 2), (32, 64, 2, 2)])
     args = bench.parse_args(["--shape", "muse-spark-tiny", "--rows", "3", "--tokens", "2",
                              "--flush-bytes", "1", "--moe-routings", "2"])
