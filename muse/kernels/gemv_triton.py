@@ -74,18 +74,18 @@ def gemv_outputs(x: torch.Tensor, out_features: int, in_features: int, tiles: Ge
 
 
 # Arrival counters of split GEMVs, per device: zero between calls (each call's last program
-# of a tile sets its counter back), so one buffer serves every call on a stream in turn.
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# of a tile sets its counter back), so one buffer serves every call on a stream in turn. A
+# buffer outgrown is kept: CUDA graphs captured with it still point at it.
+_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
+    buffers = _SPLIT_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
         # Made before any CUDA graph capture in practice (warm-up runs eagerly first), and
         # large enough that a later, wider call rarely needs a new one.
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[device] = counters
-    return counters
+        buffers.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 @triton.jit
@@ -158,12 +158,14 @@ def _dense_gemv_kernel(
 
 
 def choose_dense_gemv_tiles(out_features: int, in_features: int) -> GemvTiles:
-    """16 output rows x 512 inputs a step (1 KB of each row), four warps, split along K
-    until there are enough programs (`split_for`)."""
-    block_k = max(16, min(512, triton.next_power_of_2(in_features)))
-    block_n = max(16, min(16, triton.next_power_of_2(out_features)))
-    split = split_for(triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))
-    return GemvTiles(block_n, block_k, 4, split)
+    """Two output rows x 2048 inputs a step, four warps: many small programs that each stream
+    whole rows (the fastest of the tiles swept on the H200 for every projection of the 15B,
+    30B-A3B and 0.6B shapes, `benchmarks/decode_gemv.py --sweep-tiles`: 1.2-1.5x the 16-row
+    slabs split along K that the FP4 GEMV uses). K is split only where the rows are too few
+    for the GPU (`split_for`)."""
+    block_k = max(16, min(2048, triton.next_power_of_2(in_features)))
+    split = split_for(triton.cdiv(out_features, 2), triton.cdiv(in_features, block_k))
+    return GemvTiles(2, block_k, 4, split)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
