@@ -21,9 +21,10 @@ GEMV_ON = os.environ.get("MUSE_ONE_ROW_GEMV", "1") != "0"
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `dense_linear` runs the one-row GEMV for these operands."""
-    return (GEMV_ON and x.is_cuda and weight.dim() == 2 and x.numel() == x.shape[-1] == weight.shape[1]
-            and weight.shape[0] > 0 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
-            and weight.stride(1) == 1
+    one_row = x.numel() == x.shape[-1]
+    return (GEMV_ON and x.is_cuda and one_row and weight.dim() == 2
+            and x.shape[-1] == weight.shape[1] and weight.shape[0] > 0
+            and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.stride(1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 

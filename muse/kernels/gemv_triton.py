@@ -160,8 +160,8 @@ def _dense_gemv_kernel(
 def choose_dense_gemv_tiles(out_features: int, in_features: int) -> GemvTiles:
     """Two output rows x 2048 inputs a step, four warps: many small programs that each stream
     whole rows (the fastest of the tiles swept on the H200 for every projection of the 15B,
-    30B-A3B and 0.6B shapes, `benchmarks/decode_gemv.py --sweep-tiles`: 1.2-1.5x the 16-row
-    slabs split along K that the FP4 GEMV uses). K is split only where the rows are too few
+    30B-A3B and 0.6B shapes, `benchmarks/decode_gemv.py --sweep-tiles`: 1.1-1.7x faster than
+    16-row slabs split along K). K is split only where the rows are too few
     for the GPU (`split_for`)."""
     block_k = max(16, min(2048, triton.next_power_of_2(in_features)))
     split = split_for(triton.cdiv(out_features, 2), triton.cdiv(in_features, block_k))
