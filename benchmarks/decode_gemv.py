@@ -29,7 +29,7 @@ from benchmarks.options import parse_list  # noqa: E402
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from benchmarks.report import fmt as number  # noqa: E402
 from benchmarks.roofline import H200_MEMORY_BANDWIDTH  # noqa: E402
-from benchmarks.w4a16_gemm import (FLUSH_BYTES, DenseCase, copies_for,  # noqa: E402
+from benchmarks.w4a16_gemm import (DenseCase, add_timing_arguments, copies_for,  # noqa: E402
                                    dense_cases, random_dense, time_per_call, timed)
 from muse.presets import PRESETS, get_preset  # noqa: E402
 
@@ -107,15 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         type=lambda s: parse_list(s, str))
-    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed")
-    parser.add_argument("--flush-bytes", type=int, default=FLUSH_BYTES,
-                        help="bytes the copies of a weight add up to (beyond L2)")
-    parser.add_argument("--sweep-tiles", action="store_true",
-                        help="also time candidate GEMV tiles")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="list the cases and their bytes without timing (no GPU needed)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON file for the results")
+    add_timing_arguments(parser, "GEMV tiles")
     args = parser.parse_args(argv)
     for name in args.shapes:
         if name not in PRESETS:

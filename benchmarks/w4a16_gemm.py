@@ -344,6 +344,19 @@ def report(rows: list[dict], formats: list[str]) -> str:
     return table(headers, lines)
 
 
+def add_timing_arguments(parser: argparse.ArgumentParser, swept: str) -> None:
+    """The options of a benchmark timed as this one times (`time_per_call` over weight copies
+    that outgrow L2), shared with `decode_gemv.py`; `swept`: what --sweep-tiles times."""
+    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed")
+    parser.add_argument("--flush-bytes", type=int, default=FLUSH_BYTES,
+                        help="bytes the copies of a weight add up to (beyond L2)")
+    parser.add_argument("--sweep-tiles", action="store_true", help=f"also time candidate {swept}")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the cases and their bytes without timing (no GPU needed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="muse-spark-15b-a2b", choices=sorted(PRESETS))
@@ -355,17 +368,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tokens of the MoE cases (each routed to top-k experts)")
     parser.add_argument("--formats", default=",".join(FORMATS),
                         type=lambda s: parse_list(s, str))
-    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed")
-    parser.add_argument("--flush-bytes", type=int, default=FLUSH_BYTES,
-                        help="bytes the copies of a dense weight add up to (beyond L2)")
     parser.add_argument("--moe-routings", type=int, default=MOE_ROUTINGS,
                         help="distinct routings captured per MoE variant")
-    parser.add_argument("--sweep-tiles", action="store_true",
-                        help="also time candidate tiles of the dense kernel")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="list the cases and their bytes without timing (no GPU needed)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON file for the results")
+    add_timing_arguments(parser, "tiles of the dense kernel")
     args = parser.parse_args(argv)
     for name in args.formats:
         if name not in FORMATS:

@@ -88,8 +88,8 @@ def test_strided_rows_and_bad_shapes() -> None:
 
 
 def test_choose_tiles_split_only_narrow_and_deep_matrices() -> None:
-    assert choose_dense_gemv_tiles(256, 2048) == GemvTiles(2, 2048, 4, 1)  # a router
-    assert choose_dense_gemv_tiles(2048, 4096) == GemvTiles(2, 2048, 4, 1)  # o_proj
+    assert choose_dense_gemv_tiles(256, 2048) == GemvTiles(2, 2048, 4, 1, 1)  # a router
+    assert choose_dense_gemv_tiles(2048, 4096) == GemvTiles(2, 2048, 4, 1, 1)  # o_proj
     # 32 programs of 2 rows over 8 steps of K: split 8 ways.
     assert choose_dense_gemv_tiles(64, 16384).split_k == 8
     assert choose_dense_gemv_tiles(3, 10).block_k == 16
