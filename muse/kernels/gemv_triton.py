@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
+
 # Split-K for products of fewer output tiles than SPLIT_BELOW, up to TARGET_PROGRAMS programs:
 # measured on the H200 (`benchmarks/w4a16_gemm.py --sweep-tiles`, decode tiles 16 x 16 x 128,
 # one warp), o_proj's 128 tiles ran best split 8 ways and qkv_proj's 320 unsplit.
@@ -130,29 +132,45 @@ def store_gemv_output(out, cols, col_ok, N, partial_ptr, counter_ptr, row_factor
 
 
 @triton.jit
+def _weight_tile(w_rows, col_ok, k_start, ks, K: tl.constexpr):
+    k_ok = k_start + ks < K
+    return tl.load(w_rows + (k_start + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _x_slice(x_ptr, stride_xk, k_start, ks, K: tl.constexpr):
+    return tl.load(x_ptr + (k_start + ks) * stride_xk, mask=k_start + ks < K,
+                   other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _dense_gemv_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     N, stride_xk, stride_wn, stride_yn,
     K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_PROGRAM: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N outputs over this program's K
     slice: [BLOCK_N, BLOCK_K] weight tiles, each row BLOCK_K contiguous elements, multiplied
-    by x's slice in float32 and summed along K once at the end."""
+    by x's slice in float32 and summed along K once at the end.
+
+    The first weight tile is loaded before the wait for the kernel before (PDL): no kernel
+    of a step writes weights, so with PDL this program's stream of weights starts while the
+    norm or attention that produces x is still running."""
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = tl.program_id(1) * K_PER_PROGRAM
-    for k_start in range(k_first, k_first + K_PER_PROGRAM, BLOCK_K):
-        k_ok = k_start + ks < K
-        w = tl.load(w_rows + (k_start + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        x = tl.load(x_ptr + (k_start + ks) * stride_xk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w_first = _weight_tile(w_rows, col_ok, k_first, ks, K)
+    start_dependent_kernel(PDL)
+    acc = w_first.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_first, ks, K)
+    for k_start in range(k_first + BLOCK_K, k_first + K_PER_PROGRAM, BLOCK_K):
+        w = _weight_tile(w_rows, col_ok, k_start, ks, K)
+        acc += w.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_start, ks, K)
     store_gemv_output(tl.sum(acc, axis=1), cols, col_ok, N, partial_ptr, counter_ptr, bias_ptr,
                       bias_ptr, y_ptr, 0, stride_yn, False, HAS_BIAS, SPLIT)
 
@@ -186,6 +204,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         K=in_features, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
     )
     return y

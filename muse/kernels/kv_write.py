@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from muse.kernels.paged_attention import FP8_MAX, check_kv_scales
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
 
 
 @triton.jit
@@ -20,7 +21,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_
                      v_scale_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                      stride_ch, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                     FP8_MAX: tl.constexpr):
+                     FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -66,4 +68,5 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_stride, k_cache.stride(2),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=FP8_MAX,
+        **pdl_options(k.device),
         num_warps=1 if kv_heads * head_dim <= 512 else 4)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
 from muse.kernels.w8a16 import Fp8Weight
@@ -157,7 +158,7 @@ def _gemm1_swiglu_kernel(
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr, FP8_BLOCK_N: tl.constexpr,
-    FP8_BLOCK_K: tl.constexpr,
+    FP8_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate_e[n]) * (x[tok] . up_e[n]) for one block x N tile.
 
@@ -174,6 +175,7 @@ def _gemm1_swiglu_kernel(
     GEMV (one pair per block, FP4 weights): the pair's row alone, without `tl.dot`
     (`fp4_gemv_step`).
     """
+    start_dependent_kernel(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -290,13 +292,14 @@ def _gemm2_kernel(
     PRECISION: tl.constexpr, WIDEN: tl.constexpr, ONE_PAIR_PER_BLOCK: tl.constexpr,
     FP4: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr, GEMV: tl.constexpr, FP8_BLOCK_N: tl.constexpr,
-    FP8_BLOCK_K: tl.constexpr,
+    FP8_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair, n] = h[row] . down_e[n] for one block x N tile (N over the latent width).
 
     ONE_PAIR_PER_BLOCK, FP4 (down packed as [E, L, I/2]), FP8 (down [E, L, I] E4M3 bytes) and
     GEMV as in `_gemm1_swiglu_kernel`.
     """
+    start_dependent_kernel(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -377,9 +380,10 @@ def _gemm2_kernel(
 def _combine_kernel(
     y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
     latent, eps, stride_ym, stride_ne, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t] = sum_j weights[t, j] * rmsnorm(y[t*k + j]) * norm_weight[ids[t, j]]."""
+    start_dependent_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_L)
     col_ok = cols < latent
@@ -500,6 +504,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
     # Float32 models are the precise reference configuration: keep TF32 out of their dots.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    pdl = pdl_options(x.device)
 
     # h has a row per block row (aligned: padding rows are allocated, never written; one pair
     # per block: one row per pair), so GEMM 2 reads it without a gather; it is in the
@@ -518,7 +523,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
         GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **pdl,
     )
 
     # y stays float32: it feeds an RMSNorm and a k-way weighted sum, and rounding it to bf16
@@ -539,7 +544,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
         GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **pdl,
     )
 
     if reduce_pairs is not None:
@@ -557,6 +562,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         y, weights, expert_ids, norm, out,
         latent, eps, y.stride(0), norm.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
-        num_warps=4 if block_l <= 2048 else 8,
+        num_warps=4 if block_l <= 2048 else 8, **pdl,
     )
     return out

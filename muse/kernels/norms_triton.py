@@ -10,15 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
                      x_stride, r_stride, out_stride, sum_stride, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # One program per row; BLOCK covers the whole row, so one pass reads it once.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait (PDL)
+    start_dependent_kernel(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
@@ -28,7 +32,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     x32 = x.to(tl.float32)
     mean_square = tl.sum(x32 * x32, axis=0) / n_cols
     normed = x32 * tl.math.rsqrt(mean_square + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (w * normed).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -55,7 +58,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight.contiguous(), out2, sum2,
             x2.stride(0), r2.stride(0), out2.stride(0), sum2.stride(0), n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_options(x.device),
             # Wide rows get more warps so each thread holds a bounded slice of the row.
             num_warps=max(1, min(16, block // 256)))
     return out, summed

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
 from muse.kernels.paged_attention import check_kv_scales
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
 
 # Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernels can
 # use exp2, one hardware instruction, instead of exp.
@@ -84,7 +85,8 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-        FP8: tl.constexpr):
+        FP8: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,7 +161,8 @@ def _combine_kernel(
         out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, query_start_ptr, num_heads,
         stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_S: tl.constexpr):
+        BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
     request = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_ptr + request)
@@ -227,7 +230,8 @@ def _prefill_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-        FP8: tl.constexpr):
+        FP8: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
     request = tl.program_id(0)
     # Causal tiles further down the prompt see more keys: the grid hands them out first, so
     # the short ones fill in at the end instead of the long ones trailing alone.
@@ -374,12 +378,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION=_precision(q.dtype), FP8=fp8,
         # Decode is a stream of K/V: 4 warps cover a 16 x 64 tile, and a second stage lets
         # the next pages load while this one is reduced.
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_options(q.device))
     if splits > 1:
         _combine_kernel[(num_requests, num_heads)](
             out, ws_acc, ws_m, ws_l, meta.query_start, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=1, **pdl_options(q.device))
     return out
 
 
@@ -418,7 +422,8 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION=_precision(q.dtype), FP8=fp8,
         # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
         # and the probabilities. The stages overlap the next K/V pages with this tile's math.
-        num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages)
+        num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages,
+        **pdl_options(q.device))
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.routing_checks import check_arguments
 
 
@@ -23,7 +24,8 @@ from muse.kernels.routing_checks import check_arguments
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr,
                        num_experts, stride_lt, stride_le, stride_wt, stride_it,
                        TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr):
+                       SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     in_row = experts < num_experts
@@ -72,7 +74,7 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, nor
         num_experts, router_logits.stride(0), router_logits.stride(1),
         weights.stride(0), ids.stride(0),
         TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        SOFTMAX=scoring == "softmax", NORMALIZE=normalize,
+        SOFTMAX=scoring == "softmax", NORMALIZE=normalize, **pdl_options(device),
         num_warps=max(1, min(8, block_e // 512)),
     )
     return weights, ids

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from muse.kernels.gemv_triton import (GemvTiles, check_split, gemv_outputs, split_for,
                                       store_gemv_output)
+from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 
 # Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands
@@ -260,13 +261,14 @@ def _w4a16_gemv_kernel(
     K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ROW_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_PROGRAM: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one activation row and BLOCK_N outputs, over
     this program's K slice (`fp4_gemv_step`); the row factor multiplies each output's sum
     once. The twin rounds each weight to the activation dtype first: the results differ by
     that rounding, well inside the tests' tolerance. K may be split over programs (grid axis
     1), whose partial sums `store_gemv_output` adds in the same launch."""
+    start_dependent_kernel(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
@@ -305,7 +307,7 @@ def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = N
         HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
     )
     return y
 
