@@ -29,9 +29,6 @@ class AttentionBackend:
     # (q, k_cache, v_cache, meta, kind, window, scale, k_scale, v_scale) -> out
     paged_attention: Callable
     qk_norm_rope: Callable  # (q, k, q_weight, k_weight, cos, sin, eps) -> (q, k)
-    # (q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slot_mapping, k_scale,
-    #  v_scale) -> q: qk_norm_rope, then write_kv of the rotated k and v
-    qk_norm_rope_write_kv: Callable
     rms_norm: Callable  # (x, weight, eps) -> normed
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (normed, x + residual)
 
@@ -46,21 +43,20 @@ class MoEBackend:
 def _torch_attention() -> AttentionBackend:
     from muse.kernels.norms import add_rms_norm_torch, rms_norm_torch
     from muse.kernels.paged_attention import paged_attention, write_kv
-    from muse.kernels.rotary import qk_norm_rope_torch, qk_norm_rope_write_kv_torch
+    from muse.kernels.rotary import qk_norm_rope_torch
 
     return AttentionBackend("torch", write_kv, paged_attention, qk_norm_rope_torch,
-                            qk_norm_rope_write_kv_torch, rms_norm_torch, add_rms_norm_torch)
+                            rms_norm_torch, add_rms_norm_torch)
 
 
 def _triton_attention() -> AttentionBackend:
     from muse.kernels.kv_write import write_kv_triton
     from muse.kernels.norms_triton import add_rms_norm_triton, rms_norm_triton
     from muse.kernels.paged_attention_triton import paged_attention_triton
-    from muse.kernels.rotary import qk_norm_rope, qk_norm_rope_write_kv
+    from muse.kernels.rotary import qk_norm_rope
 
     return AttentionBackend("triton", write_kv_triton, paged_attention_triton,
-                            qk_norm_rope, qk_norm_rope_write_kv, rms_norm_triton,
-                            add_rms_norm_triton)
+                            qk_norm_rope, rms_norm_triton, add_rms_norm_triton)
 
 
 def _torch_moe() -> MoEBackend:

@@ -10,7 +10,6 @@ rotation is computed in float32 and rounded once more.
 (`muse.kernels.rotary_triton`), which handles q and k in a single launch with no host
 synchronisation (safe under CUDA graph capture), and the twin for the calls the kernel does
 not take; `qk_norm_rope_torch` (the "torch" backend's) is the reference ops themselves.
-`qk_norm_rope_write_kv` and its twin also store the step's keys and values in the paged cache.
 """
 
 from __future__ import annotations
@@ -41,47 +40,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     the unusual calls the kernel does not take: q and k of different dtypes, or a norm weight
     for only one of them.
     """
-    if _kernel_takes(q, k, q_weight, k_weight):
+    fused = q.dtype == k.dtype and (q_weight is None) == (k_weight is None)
+    if fused:
         # Imported here so that CPU-only processes never import Triton.
         from muse.kernels import rotary_triton
 
         return rotary_triton.qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_torch(q, k, q_weight, k_weight, cos, sin, eps)
-
-
-def _kernel_takes(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
-                  k_weight: torch.Tensor | None) -> bool:
-    return q.dtype == k.dtype and (q_weight is None) == (k_weight is None)
-
-
-def qk_norm_rope_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                                cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin of the fused store: `qk_norm_rope_torch`, then `write_kv` of the rotated k
-    and v; returns q."""
-    from muse.kernels.paged_attention import write_kv
-
-    q, k = qk_norm_rope_torch(q, k, q_weight, k_weight, cos, sin, eps)
-    write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
-    return q
-
-
-def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                          cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`qk_norm_rope`, with the step's rotated keys and its values stored in the paged caches
-    at `slot_mapping` (as `write_kv` does) in the same launch; returns q. The twin for the
-    calls the kernel does not take."""
-    args = (q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slot_mapping,
-            k_scale, v_scale)
-    if _kernel_takes(q, k, q_weight, k_weight):
-        from muse.kernels import rotary_triton
-
-        return rotary_triton.qk_norm_rope_write_kv_triton(*args)
-    return qk_norm_rope_write_kv_torch(*args)

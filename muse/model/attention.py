@@ -23,7 +23,7 @@ from torch import nn
 
 from muse.config import TextConfig
 from muse.distributed.parallel_state import get_pcp_group
-from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
+from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import AttentionBackend
 from muse.layers.linear import QKVParallelLinear, RowParallelLinear
 from muse.layers.quantization import QuantizationConfig
@@ -99,18 +99,13 @@ class EngineAttention(nn.Module):
                 meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q_norm, k_norm = self.q_norm, self.k_norm
-        norms = (q_norm.weight if q_norm is not None else None,
-                 k_norm.weight if k_norm is not None else None, cos, sin,
-                 q_norm.eps if q_norm is not None else 0.0)
+        q, k = self.backend.qk_norm_rope(
+            q, k, q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None, cos, sin,
+            q_norm.eps if q_norm is not None else 0.0)
         kind = meta.kinds[self.layer_type]
         k_cache, v_cache = kv_cache
         slots, context = kind.slot_mapping, meta.context_parallel
-        if context is None and not self.calculate_kv_scales:
-            # The usual step: the rotated keys and the values go straight to the cache.
-            q = self.backend.qk_norm_rope_write_kv(q, k, v, *norms, k_cache, v_cache, slots,
-                                                   self.k_scale, self.v_scale)
-            return self._attend(q, x, meta, kind, k_cache, v_cache)
-        q, k = self.backend.qk_norm_rope(q, k, *norms)
         if context is not None:
             # This rank's queries attend to keys of the other ranks' slices too.
             group = get_pcp_group()
@@ -120,11 +115,6 @@ class EngineAttention(nn.Module):
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v)
         self.backend.write_kv(k_cache, v_cache, k, v, slots, self.k_scale, self.v_scale)
-        return self._attend(q, x, meta, kind, k_cache, v_cache)
-
-    def _attend(self, q: torch.Tensor, x: torch.Tensor, meta: BatchMetadata,
-                kind: KindMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
-                ) -> torch.Tensor:
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, kind, self.sliding_window,
                                            self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
