@@ -132,14 +132,14 @@ def store_gemv_output(out, cols, col_ok, N, partial_ptr, counter_ptr, row_factor
 
 
 @triton.jit
-def _weight_tile(w_rows, col_ok, k_start, ks, K: tl.constexpr):
+def weight_tile(w_rows, col_ok, k_start, ks, K: tl.constexpr):
     k_ok = k_start + ks < K
     return tl.load(w_rows + (k_start + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
                    other=0.0)
 
 
 @triton.jit
-def _x_slice(x_ptr, stride_xk, k_start, ks, K: tl.constexpr):
+def x_slice(x_ptr, stride_xk, k_start, ks, K: tl.constexpr):
     return tl.load(x_ptr + (k_start + ks) * stride_xk, mask=k_start + ks < K,
                    other=0.0).to(tl.float32)[None, :]
 
@@ -165,12 +165,12 @@ def _dense_gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     k_first = tl.program_id(1) * K_PER_PROGRAM
-    w_first = _weight_tile(w_rows, col_ok, k_first, ks, K)
+    w_first = weight_tile(w_rows, col_ok, k_first, ks, K)
     start_dependent_kernel(PDL)
-    acc = w_first.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_first, ks, K)
+    acc = w_first.to(tl.float32) * x_slice(x_ptr, stride_xk, k_first, ks, K)
     for k_start in range(k_first + BLOCK_K, k_first + K_PER_PROGRAM, BLOCK_K):
-        w = _weight_tile(w_rows, col_ok, k_start, ks, K)
-        acc += w.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_start, ks, K)
+        w = weight_tile(w_rows, col_ok, k_start, ks, K)
+        acc += w.to(tl.float32) * x_slice(x_ptr, stride_xk, k_start, ks, K)
     store_gemv_output(tl.sum(acc, axis=1), cols, col_ok, N, partial_ptr, counter_ptr, bias_ptr,
                       bias_ptr, y_ptr, 0, stride_yn, False, HAS_BIAS, SPLIT)
 
