@@ -134,18 +134,39 @@ class Experts(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(config.num_experts, width)) \
             if config.expert_norm else None
         self.eps = config.rms_norm_eps
+        # Set by trainers of models with few experts (`all_experts_forward`).
+        self.all_experts_at_once = False
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), in float32 so the oracle does not
         depend on the order experts are visited. (Called as a module, so wrappers such as
         PEFT's `target_parameters` LoRA apply to the stacked weights.)"""
+        if self.all_experts_at_once:
+            return self.all_experts_forward(x, expert_ids, weights)
         combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in expert_ids.unique().tolist():
             token_ids, slot = (expert_ids == expert).nonzero(as_tuple=True)
             out = self.expert_forward(expert, x[token_ids])
             combined.index_add_(0, token_ids, out.float() * weights[token_ids, slot, None])
         return combined
+
+    def all_experts_forward(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                            weights: torch.Tensor) -> torch.Tensor:
+        """`forward`'s sums from every expert run on every token, each token's routing
+        weights scattered over the experts (zero outside its top-k, so the other experts add
+        exact zeros and get no gradient from it): a dozen batched ops and no host sync where
+        the loop takes dozens of small ops and a sync per expert. E / k times the loop's
+        products, which a trainer of a few small experts pays gladly: its step is bound by
+        launching ops, not by arithmetic."""
+        gate_up = torch.einsum("tw,ejw->tej", x, self.gate_up_proj)  # [T, E, 2I]
+        gate, up = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
+        out = torch.einsum("tei,ewi->tew", F.silu(gate) * up, self.down_proj)  # [T, E, W]
+        if self.norm_weight is not None:
+            out = rms_norm(out, self.norm_weight, self.eps)
+        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32,
+                            device=x.device).scatter(1, expert_ids, weights.float())
+        return (out.float() * dense[..., None]).sum(dim=1)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens: SwiGLU, then (optionally) the expert's own RMSNorm."""

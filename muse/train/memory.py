@@ -41,6 +41,16 @@ RUNTIME_BYTES = {"cpu": 1_500_000_000, "cuda": 1_000_000_000}
 STATE_BYTES_PER_PARAMETER = 18
 
 
+# Models of at most this many experts train with every expert on every token
+# (`Experts.all_experts_forward`): the default model's 8 experts cost 4x the products of its
+# top-2, and save the per-expert loop's ~600 small ops a layer, which bound its training step.
+ALL_EXPERTS_AT_ONCE_MAX_EXPERTS = 16
+
+
+def trains_all_experts_at_once(text: TextConfig) -> bool:
+    return text.is_moe and text.num_experts <= ALL_EXPERTS_AT_ONCE_MAX_EXPERTS
+
+
 def activation_bytes_per_sequence(text: TextConfig, seq_len: int) -> int:
     """Peak activation memory of one training sequence in the reference model (float32).
 
@@ -57,10 +67,11 @@ def activation_bytes_per_sequence(text: TextConfig, seq_len: int) -> int:
         # [T, T] pair even in sliding layers, then masks it
         + 2 * text.num_attention_heads * seq_len)
     if text.is_moe:
-        chosen = text.num_experts_per_tok
+        chosen = text.num_experts if trains_all_experts_at_once(text) \
+            else text.num_experts_per_tok
         latent = text.expert_input_size
         per_token += (3 * text.num_experts  # router logits and probabilities
-                      # each chosen expert's input, gate and up, product, output and norm
+                      # each expert run's input, gate and up, product, output and norm
                       + chosen * (3 * text.moe_intermediate_size + 4 * latent)
                       + 3 * latent  # pooled, combined (float32) and cast back
                       + 3 * text.moe_intermediate_size * text.num_shared_experts)

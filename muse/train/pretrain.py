@@ -33,6 +33,7 @@ from muse.info import text_parameters
 from muse.multimodal.engine_inputs import has_encoders
 from muse.multimodal.processor import MuseSparkProcessor, preset_processor_config
 from muse.presets import get_preset
+from muse.reference.layers import Experts
 from muse.reference.model import MuseForCausalLM
 from muse.reference.multimodal import (ENCODER_PREFIXES, MediaInput,
                                       MuseSparkForConditionalGeneration)
@@ -41,7 +42,7 @@ from muse.train.data.conversations import conversation_tasks
 from muse.train.data.mixture import SOURCES, MixtureConfig, TrainingBatches
 from muse.train.data.python_source import PythonCorpus
 from muse.train.data.split import TRAIN
-from muse.train.memory import plan_batch
+from muse.train.memory import plan_batch, trains_all_experts_at_once
 from muse.train.options import STATE_FILE, PretrainArgs
 from muse.train.plot import plot_losses
 from muse.train.router_balance import RouterLoadBalance
@@ -78,10 +79,14 @@ def build_model(config: MuseSparkConfig, seed: int) -> MuseForCausalLM:
     """Seeded initial weights (with the encoders when the config has them); the output
     projections of the residual branches (attention's o_proj, the MoE unpooler, a dense
     MLP's down_proj) are scaled by 1/sqrt(2 * layers) so the residual stream's variance does
-    not grow with depth."""
+    not grow with depth. Few experts run all at once (`trains_all_experts_at_once`)."""
     model = MuseSparkForConditionalGeneration(config) if has_encoders(config) \
         else MuseForCausalLM(config.text_config)
     model.init_weights(seed)
+    if trains_all_experts_at_once(config.text_config):
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.all_experts_at_once = True
     scale = 1.0 / math.sqrt(2 * config.text_config.num_hidden_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
