@@ -167,31 +167,25 @@ def _fp8_tile(raw, scale, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, stride_wn, stride_wk,
-               stride_sn, stride_sk, K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_step(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, k_start, stride_wn,
+               stride_wk, stride_sn, stride_sk, K: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                SCALE_E8M0: tl.constexpr):
-    """sum_k x[k] * w[row, k] for BLOCK_N weight rows of one expert (w_ptr, scales_ptr at
-    the expert), float32, without `tl.dot`: FP4 rows through `fp4_gemv_step`, dense rows as
-    [BLOCK_N, BLOCK_K] tiles along their contiguous K, widened and multiplied by x's slice,
-    summed along K once at the end."""
+    """One K step of a GEMV on BLOCK_N weight rows of one expert (w_ptr, scales_ptr at the
+    expert), without `tl.dot`: float32 [BLOCK_N, BLOCK_K / SCALE_BLOCK] products, summed over
+    the steps and along K by the caller. FP4 rows through `fp4_gemv_step`; dense rows
+    (SCALE_BLOCK 1) as [BLOCK_N, BLOCK_K] tiles along their contiguous K times x's slice."""
     if FP4:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            acc += fp4_gemv_step(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, k_start,
-                                 stride_wn, stride_wk, stride_sn, stride_sk, K, BLOCK_N,
-                                 BLOCK_K, SCALE_BLOCK, SCALE_E8M0)
+        products = fp4_gemv_step(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, k_start,
+                                 stride_wn, stride_wk, stride_sn, stride_sk, K, BLOCK_N, BLOCK_K,
+                                 SCALE_BLOCK, SCALE_E8M0)
     else:
-        ks = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            k_ok = k_start + ks < K
-            w = tl.load(w_rows + (k_start + ks)[None, :] * stride_wk,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_row + (k_start + ks) * stride_xk, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+        ks = k_start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk,
+                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        x = tl.load(x_row + ks * stride_xk, mask=ks < K, other=0.0)
+        products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return products
 
 
 @triton.jit
@@ -220,7 +214,7 @@ def _gemm1_swiglu_kernel(
     (each K tile lies inside one block: its scales are a vector over the tile's columns).
     Otherwise w_ptr is the dense [E, 2I, L] and the scale and factor pointers are not read.
     GEMV (one pair per block; FP4 weights, or 16-bit ones with `dense_gemv`): the pair's row
-    alone, without `tl.dot` (`_gemv_rows`).
+    alone, without `tl.dot` (`_gemv_step`).
     """
     start_dependent_kernel(PDL)
     pid_m = tl.program_id(0)
@@ -247,14 +241,22 @@ def _gemm1_swiglu_kernel(
         w_ptr += expert * stride_we
         scales_ptr += expert * stride_se
         x_row = x_ptr + (pid_m // top_k) * stride_xt  # block pid_m is pair pid_m
-        gate = _gemv_rows(x_row, stride_xl, w_ptr, scales_ptr, cols, col_ok, stride_wn,
-                          stride_wk, stride_sn, stride_sk, LATENT, BLOCK_N, BLOCK_K, FP4,
-                          SCALE_BLOCK, SCALE_E8M0) * gate_factor
-        up = _gemv_rows(x_row, stride_xl, w_ptr, scales_ptr, cols + INTER, col_ok, stride_wn,
-                        stride_wk, stride_sn, stride_sk, LATENT, BLOCK_N, BLOCK_K, FP4,
-                        SCALE_BLOCK, SCALE_E8M0) * up_factor
+        gemv_gate = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        gemv_up = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        for k_start in range(0, LATENT, BLOCK_K):
+            gemv_gate += _gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols, col_ok,
+                                    k_start, stride_wn, stride_wk, stride_sn, stride_sk,
+                                    LATENT, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
+            gemv_up += _gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols + INTER, col_ok,
+                                  k_start, stride_wn, stride_wk, stride_sn, stride_sk,
+                                  LATENT, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
+        # Names of their own: the compiler types this branch's variables together with the
+        # dense path's below, whose `gate` and `up` are weight tiles.
+        gate_row = tl.sum(gemv_gate, axis=1) * gate_factor
+        up_row = tl.sum(gemv_up, axis=1) * up_factor
         tl.store(h_ptr + pid_m * stride_hm + cols * stride_hn,
-                 (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=col_ok)
+                 (gate_row * tl.sigmoid(gate_row) * up_row).to(h_ptr.dtype.element_ty),
+                 mask=col_ok)
         return
 
     if FP4:
@@ -359,10 +361,13 @@ def _gemm2_kernel(
     if GEMV:  # h's row pid_m is pair pid_m's
         w_ptr += expert * stride_we
         scales_ptr += expert * stride_se
-        out = _gemv_rows(h_ptr + pid_m * stride_hm, stride_hk, w_ptr, scales_ptr, cols, col_ok,
-                         stride_wn, stride_wk, stride_sn, stride_sk, INTER, BLOCK_N, BLOCK_K,
-                         FP4, SCALE_BLOCK, SCALE_E8M0)
-        tl.store(y_ptr + pid_m * stride_ym + cols * stride_yn, out * factor, mask=col_ok)
+        gemv = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
+        for k_start in range(0, INTER, BLOCK_K):
+            gemv += _gemv_step(h_ptr + pid_m * stride_hm, stride_hk, w_ptr, scales_ptr, cols,
+                               col_ok, k_start, stride_wn, stride_wk, stride_sn, stride_sk,
+                               INTER, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
+        tl.store(y_ptr + pid_m * stride_ym + cols * stride_yn,
+                 tl.sum(gemv, axis=1) * factor, mask=col_ok)
         return
 
     # h rows are in block order (sorted, or pair order with one pair per block), so this
