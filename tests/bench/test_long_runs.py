@@ -41,9 +41,13 @@ def test_ctrl_c_keeps_the_levels_that_finished(muse_server: str, tmp_path: Path)
     command = [sys.executable, "-m", "muse.cli", "bench", "serve", "--base-url", muse_server,
                *RANDOM, "--num-requests", "2", "--request-rate", "inf,0.0001",
                "--output-dir", str(tmp_path), "--run-id", "cut"]
+    # SIGINT's default disposition for the child, as in a terminal: a suite run as a
+    # background job ignores SIGINT, and an ignored signal is inherited (the run would then
+    # rightly ignore the Ctrl-C and wait for its second level).
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     path = tmp_path / "random-cut.json"
     first = wait_for(path, process)
     assert first["status"] == "running" and first["levels_finished"] == 1
