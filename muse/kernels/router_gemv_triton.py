@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.gemv_triton import weight_tile, x_slice, split_counters
-from muse.kernels.pdl import pdl_options, start_dependent_kernel
+from muse.kernels.gemv_triton import row_sums, split_counters
+from muse.kernels.pdl import pdl_options
 from muse.kernels.routing_checks import check_arguments
 from muse.kernels.routing_triton import route_row
 
@@ -34,16 +34,9 @@ def _router_gemv_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_
                         SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < num_experts
-    ks = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    w_first = weight_tile(w_rows, col_ok, 0, ks, K)  # weights: before the wait (PDL)
-    start_dependent_kernel(PDL)
-    acc = w_first.to(tl.float32) * x_slice(x_ptr, stride_xk, 0, ks, K)
-    for k_start in range(BLOCK_K, K, BLOCK_K):
-        acc += weight_tile(w_rows, col_ok, k_start, ks, K).to(tl.float32) \
-            * x_slice(x_ptr, stride_xk, k_start, ks, K)
-    tl.store(logits_ptr + cols, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty),
-             mask=col_ok)
+    sums = row_sums(x_ptr, stride_xk, w_ptr + cols[:, None].to(tl.int64) * stride_wn, col_ok,
+                    0, tl.cdiv(K, BLOCK_K) * BLOCK_K, K, BLOCK_K, PDL)
+    tl.store(logits_ptr + cols, sums.to(logits_ptr.dtype.element_ty), mask=col_ok)
     # acq_rel: this program's logits are visible before its arrival; the last to arrive sees
     # every program's logits.
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
