@@ -9,8 +9,7 @@ Two kinds of case (`--cases`), with random weights:
   one;
 * `moe`: the routed experts (`moe_triton.fused_experts`: E experts of gate_up [2I, L] and
   down [L, I]) for `--tokens` tokens (1, 8, 64) with random top-k routing: bf16 experts
-  against FP4 experts, and where one pair runs per block also the bf16 experts as one-row
-  GEMVs (`bf16-gemv`, `fused_experts(dense_gemv=True)`).
+  against FP4 experts.
 
 Timing: a variant's calls are captured in one CUDA graph and replayed `--repeats` times; the
 figure is the median time per call. Each call must read its weights from HBM, as a layer of
@@ -280,25 +279,20 @@ def run_moe(case: MoECase, tokens: int, formats: list[str], args: argparse.Names
         per_expert = (weight_bytes(fmt, 2 * inter, latent) + weight_bytes(fmt, latent, inter))
         return round(distinct * per_expert) + activations
 
-    def calls(gate_up, down, dense_gemv: bool = False) -> list[Callable[[], object]]:
-        return [lambda w=w, i=i: fused_experts(x, w, i, gate_up, down, norm, 1e-6,
-                                               dense_gemv=dense_gemv)
+    def calls(gate_up, down) -> list[Callable[[], object]]:
+        return [lambda w=w, i=i: fused_experts(x, w, i, gate_up, down, norm, 1e-6)
                 for w, i in routings]
 
     gate_up = random_dense((experts, 2 * inter, latent), device, gen)
     down = random_dense((experts, latent, inter), device, gen)
     baseline = time_per_call(calls(gate_up, down), args.repeats)
     record["bf16"] = _figures(baseline, per_call("bf16"))
-    gemv_calls = calls(gate_up, down, dense_gemv=True)
     del gate_up, down
     for fmt in formats:
         gate_up = random_fp4(fmt, (experts, 2 * inter, latent), device, gen)
         down = random_fp4(fmt, (experts, latent, inter), device, gen)
         record[fmt] = _figures(time_per_call(calls(gate_up, down), args.repeats),
                                per_call(fmt), baseline)
-    if record["one_pair_per_block"]:  # the bf16 experts as one-row GEMVs (MUSE_MOE_GEMV)
-        record["bf16-gemv"] = _figures(time_per_call(gemv_calls, args.repeats),
-                                       per_call("bf16"), baseline)
     return record
 
 

@@ -5,21 +5,18 @@
 #   scripts/decode_ab_h200.sh OUT [SETTING ...]
 #
 # Each SETTING is "base" (the defaults) or space-free VAR=VALUE pairs joined by commas, e.g.
-#   scripts/decode_ab_h200.sh /tmp/ab base MUSE_MOE_GEMV=1 MUSE_FUSED_ROUTER=1 \
-#       MUSE_ATTN_MERGE=1 MUSE_MOE_GEMV=1,MUSE_FUSED_ROUTER=1,MUSE_ATTN_MERGE=1 MUSE_PDL=0
+#   scripts/decode_ab_h200.sh /tmp/ab base MUSE_PDL=0
 # (the default list). Every shape of SHAPES runs every setting ROUNDS times (default 2), the
 # settings in turn within a round, so that a drifting machine favours none of them; each run
 # writes OUT/latency-SHAPE-SETTING-rROUND.json and one line of OUT/ab.log. LENGTHS (default
 # 1024) are the prompt lengths. DRY_RUN=1 prints the commands instead. A run takes about 25 s
-# on an H200: the default list is 5 minutes a shape, so give one call one shape
+# on an H200: the default list is 2 minutes a shape; with longer lists give one call one shape
 # (SHAPES=muse-spark-15b-a2b, then SHAPES=qwen3-30b-a3b-shape).
 set -u
 OUT=${1:?usage: scripts/decode_ab_h200.sh OUT [SETTING ...]}
 shift
 SETTINGS=("$@")
-[ ${#SETTINGS[@]} -eq 0 ] && SETTINGS=(base MUSE_MOE_GEMV=1 MUSE_FUSED_ROUTER=1 MUSE_ATTN_MERGE=1
-                                     MUSE_MOE_GEMV=1,MUSE_FUSED_ROUTER=1,MUSE_ATTN_MERGE=1
-                                     MUSE_PDL=0)
+[ ${#SETTINGS[@]} -eq 0 ] && SETTINGS=(base MUSE_PDL=0)
 PYTHON=${PYTHON:-python3}
 SHAPES=${SHAPES:-"muse-spark-15b-a2b qwen3-30b-a3b-shape"}
 ROUNDS=${ROUNDS:-2}

@@ -457,16 +457,20 @@ def test_collectives_json(tmp_path):
 
 def test_decode_ab_script_interleaves_its_settings(tmp_path):
     """scripts/decode_ab_h200.sh: every shape runs every setting once a round, settings in
-    turn, each with its own environment and JSON (dry run: the commands it would run)."""
+    turn, each with its own environment and JSON (dry run: the commands it would run); without
+    settings, the defaults against MUSE_PDL=0."""
     import subprocess
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "decode_ab_h200.sh"
     env = dict(os.environ, DRY_RUN="1", ROUNDS="2", SHAPES="muse-spark-tiny qwen3-0.6b-shape")
     lines = subprocess.run(["bash", str(script), str(tmp_path), "base",
-                            "MUSE_PDL=0,MUSE_MOE_GEMV=1"], env=env, capture_output=True,
+                            "MUSE_PDL=0,MUSE_ONE_ROW_GEMV=0"], env=env, capture_output=True,
                            text=True, check=True).stdout.splitlines()
     assert len(lines) == 2 * 2 * 2
     assert lines[0].startswith("env python3 benchmarks/latency.py --shape muse-spark-tiny")
-    assert lines[1].startswith("env MUSE_PDL=0 MUSE_MOE_GEMV=1 python3 benchmarks/latency.py")
-    assert lines[1].endswith("latency-muse-spark-tiny-MUSE_PDL-0+MUSE_MOE_GEMV-1-r1.json")
+    assert lines[1].startswith("env MUSE_PDL=0 MUSE_ONE_ROW_GEMV=0 python3 benchmarks/latency.py")
+    assert lines[1].endswith("latency-muse-spark-tiny-MUSE_PDL-0+MUSE_ONE_ROW_GEMV-0-r1.json")
     assert "--shape qwen3-0.6b-shape" in lines[2] and lines[-1].endswith("-r2.json")
+    defaults = subprocess.run(["bash", str(script), str(tmp_path)], env=dict(env, ROUNDS="1"),
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.split(" python3 ")[0] for line in defaults] == ["env", "env MUSE_PDL=0"] * 2

@@ -38,9 +38,6 @@ class MoEBackend:
     name: str
     route_topk: Callable  # (router_logits, top_k, scoring, normalize) -> (weights, ids)
     fused_experts: Callable  # see muse.kernels.moe.fused_experts
-    # (x [1, hidden], router weight, top_k, scoring, normalize) -> (weights, ids): the router's
-    # one-row GEMV and the routing in one launch; None where the backend has none
-    gate_route_topk: Callable | None = None
 
 
 def _torch_attention() -> AttentionBackend:
@@ -71,10 +68,9 @@ def _torch_moe() -> MoEBackend:
 
 def _triton_moe() -> MoEBackend:
     from muse.kernels.moe_triton import fused_experts
-    from muse.kernels.router_gemv_triton import gate_route_topk_triton
     from muse.kernels.routing_triton import route_topk_triton
 
-    return MoEBackend("triton", route_topk_triton, fused_experts, gate_route_topk_triton)
+    return MoEBackend("triton", route_topk_triton, fused_experts)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

@@ -28,15 +28,6 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-# The router's GEMV and the routing in one launch (`router_gemv_triton`): off until timed.
-FUSED_ROUTER_ON = os.environ.get("MUSE_FUSED_ROUTER", "0") == "1"
-
-
-def takes_fused_router(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a router with this plain weight routes one row x in the GEMV's launch."""
-    return FUSED_ROUTER_ON and takes_gemv(x, weight)
-
-
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """F.linear(x, weight, bias), x [..., in] -> [..., out]."""

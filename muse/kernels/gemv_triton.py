@@ -132,34 +132,16 @@ def store_gemv_output(out, cols, col_ok, N, partial_ptr, counter_ptr, row_factor
 
 
 @triton.jit
-def weight_tile(w_rows, col_ok, k_start, ks, K: tl.constexpr):
+def _weight_tile(w_rows, col_ok, k_start, ks, K: tl.constexpr):
     k_ok = k_start + ks < K
     return tl.load(w_rows + (k_start + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
                    other=0.0)
 
 
 @triton.jit
-def x_slice(x_ptr, stride_xk, k_start, ks, K: tl.constexpr):
+def _x_slice(x_ptr, stride_xk, k_start, ks, K: tl.constexpr):
     return tl.load(x_ptr + (k_start + ks) * stride_xk, mask=k_start + ks < K,
                    other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
-def row_sums(x_ptr, stride_xk, w_rows, col_ok, k_first, K_PER_PROGRAM: tl.constexpr,
-             K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """sum over this program's K slice of x[k] * w[n, k] for the weight rows at w_rows
-    [BLOCK_N, 1], float32 [BLOCK_N]: [BLOCK_N, BLOCK_K] tiles, each row BLOCK_K contiguous
-    elements, summed along K once at the end. The first weight tile is loaded before the
-    wait for the kernel before (PDL): no kernel of a step writes weights, so the stream of
-    weights starts while the norm or attention that produces x is still running."""
-    ks = tl.arange(0, BLOCK_K)
-    w_first = weight_tile(w_rows, col_ok, k_first, ks, K)
-    start_dependent_kernel(PDL)
-    acc = w_first.to(tl.float32) * x_slice(x_ptr, stride_xk, k_first, ks, K)
-    for k_start in range(k_first + BLOCK_K, k_first + K_PER_PROGRAM, BLOCK_K):
-        w = weight_tile(w_rows, col_ok, k_start, ks, K)
-        acc += w.to(tl.float32) * x_slice(x_ptr, stride_xk, k_start, ks, K)
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -171,13 +153,26 @@ def _dense_gemv_kernel(
     SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N outputs over this program's K
-    slice (`row_sums`)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slice: [BLOCK_N, BLOCK_K] weight tiles, each row BLOCK_K contiguous elements, multiplied
+    by x's slice in float32 and summed along K once at the end.
+
+    The first weight tile is loaded before the wait for the kernel before (PDL): no kernel
+    of a step writes weights, so with PDL this program's stream of weights starts while the
+    norm or attention that produces x is still running."""
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    sums = row_sums(x_ptr, stride_xk, w_ptr + cols[:, None].to(tl.int64) * stride_wn, col_ok,
-                    tl.program_id(1) * K_PER_PROGRAM, K_PER_PROGRAM, K, BLOCK_K, PDL)
-    store_gemv_output(sums, cols, col_ok, N, partial_ptr, counter_ptr, bias_ptr, bias_ptr,
-                      y_ptr, 0, stride_yn, False, HAS_BIAS, SPLIT)
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    k_first = tl.program_id(1) * K_PER_PROGRAM
+    w_first = _weight_tile(w_rows, col_ok, k_first, ks, K)
+    start_dependent_kernel(PDL)
+    acc = w_first.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_first, ks, K)
+    for k_start in range(k_first + BLOCK_K, k_first + K_PER_PROGRAM, BLOCK_K):
+        w = _weight_tile(w_rows, col_ok, k_start, ks, K)
+        acc += w.to(tl.float32) * _x_slice(x_ptr, stride_xk, k_start, ks, K)
+    store_gemv_output(tl.sum(acc, axis=1), cols, col_ok, N, partial_ptr, counter_ptr, bias_ptr,
+                      bias_ptr, y_ptr, 0, stride_yn, False, HAS_BIAS, SPLIT)
 
 
 def choose_dense_gemv_tiles(out_features: int, in_features: int) -> GemvTiles:

@@ -21,14 +21,13 @@ Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `
 `muse.kernels.w4a16_triton`, the rest of the kernel (block rows, experts, masks) unchanged.
 With one pair per block an FP4 GEMM runs as a GEMV (`GEMV`: the pair's row alone, without
 `tl.dot`, `w4a16_triton.fp4_gemv_step`): the 15 padding rows cost nothing, and each block's
-scale one multiply. 16-bit experts may too (`dense_gemv`, off by default: not yet timed).
+scale one multiply.
 Or FP8 (`muse.kernels.w8a16.Fp8Weight`): the `FP8` switch keeps the dense loads, of the E4M3
 bytes, and turns each loaded tile into the activation dtype with its rows' scales (`_fp8_tile`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -52,24 +51,6 @@ class Tiles:
 
 # The tiles of few pairs per expert; also those of the one-pair-per-block mode.
 DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
-
-# The 16-bit experts' GEMV (one pair per block, `fused_experts(dense_gemv=True)`): two weight
-# rows a program and up to 2048 inputs a step, the tiles of the projections' one-row GEMV
-# (`gemv_triton.choose_dense_gemv_tiles`). Off by default (`MUSE_MOE_GEMV=1` turns it on in the
-# engine) until the H200 says whether it streams the experts faster than the 16-row tiles.
-DENSE_GEMV_MAX_BLOCK_K = 2048
-
-
-def dense_gemv_tiles(latent: int, inter: int) -> Tiles:
-    """GEMV tiles for experts of width `inter` over a `latent`-wide input."""
-    def tile(k: int) -> tuple[int, int, int, int]:
-        return (2, max(16, min(DENSE_GEMV_MAX_BLOCK_K, triton.next_power_of_2(k))), 4, 1)
-    return Tiles(16, tile(latent), tile(inter))
-
-
-def dense_gemv_default() -> bool:
-    return os.environ.get("MUSE_MOE_GEMV", "0") == "1"
-
 
 # GEMM 2's widest prefill tile (256 columns) spills registers once each weight tile is also
 # dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128. FP8 ones keep
@@ -167,28 +148,6 @@ def _fp8_tile(raw, scale, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, k_start, stride_wn,
-               stride_wk, stride_sn, stride_sk, K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, FP4: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-               SCALE_E8M0: tl.constexpr):
-    """One K step of a GEMV on BLOCK_N weight rows of one expert (w_ptr, scales_ptr at the
-    expert), without `tl.dot`: float32 [BLOCK_N, BLOCK_K / SCALE_BLOCK] products, summed over
-    the steps and along K by the caller. FP4 rows through `fp4_gemv_step`; dense rows
-    (SCALE_BLOCK 1) as [BLOCK_N, BLOCK_K] tiles along their contiguous K times x's slice."""
-    if FP4:
-        products = fp4_gemv_step(x_row, stride_xk, w_ptr, scales_ptr, rows, row_ok, k_start,
-                                 stride_wn, stride_wk, stride_sn, stride_sk, K, BLOCK_N, BLOCK_K,
-                                 SCALE_BLOCK, SCALE_E8M0)
-    else:
-        ks = k_start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk,
-                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-        x = tl.load(x_row + ks * stride_xk, mask=ks < K, other=0.0)
-        products = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return products
-
-
-@triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, w_ptr, scales_ptr, row_factor_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, top_k,
@@ -213,8 +172,8 @@ def _gemm1_swiglu_kernel(
     FP8_BLOCK_N > 0 scales_ptr their block scales [E, 2I / FP8_BLOCK_N, L / FP8_BLOCK_K]
     (each K tile lies inside one block: its scales are a vector over the tile's columns).
     Otherwise w_ptr is the dense [E, 2I, L] and the scale and factor pointers are not read.
-    GEMV (one pair per block; FP4 weights, or 16-bit ones with `dense_gemv`): the pair's row
-    alone, without `tl.dot` (`_gemv_step`).
+    GEMV (one pair per block, FP4 weights): the pair's row alone, without `tl.dot`
+    (`fp4_gemv_step`).
     """
     start_dependent_kernel(PDL)
     pid_m = tl.program_id(0)
@@ -244,19 +203,17 @@ def _gemm1_swiglu_kernel(
         gemv_gate = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
         gemv_up = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
         for k_start in range(0, LATENT, BLOCK_K):
-            gemv_gate += _gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols, col_ok,
-                                    k_start, stride_wn, stride_wk, stride_sn, stride_sk,
-                                    LATENT, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
-            gemv_up += _gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols + INTER, col_ok,
-                                  k_start, stride_wn, stride_wk, stride_sn, stride_sk,
-                                  LATENT, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
-        # Names of their own: the compiler types this branch's variables together with the
-        # dense path's below, whose `gate` and `up` are weight tiles.
-        gate_row = tl.sum(gemv_gate, axis=1) * gate_factor
-        up_row = tl.sum(gemv_up, axis=1) * up_factor
+            gemv_gate += fp4_gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols, col_ok,
+                                       k_start, stride_wn, stride_wk, stride_sn, stride_sk,
+                                       LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0)
+            gemv_up += fp4_gemv_step(x_row, stride_xl, w_ptr, scales_ptr, cols + INTER,
+                                     col_ok, k_start, stride_wn, stride_wk, stride_sn,
+                                     stride_sk, LATENT, BLOCK_N, BLOCK_K, SCALE_BLOCK,
+                                     SCALE_E8M0)
+        gate = tl.sum(gemv_gate, axis=1) * gate_factor
+        up = tl.sum(gemv_up, axis=1) * up_factor
         tl.store(h_ptr + pid_m * stride_hm + cols * stride_hn,
-                 (gate_row * tl.sigmoid(gate_row) * up_row).to(h_ptr.dtype.element_ty),
-                 mask=col_ok)
+                 (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=col_ok)
         return
 
     if FP4:
@@ -363,9 +320,9 @@ def _gemm2_kernel(
         scales_ptr += expert * stride_se
         gemv = tl.zeros((BLOCK_N, BLOCK_K // SCALE_BLOCK), dtype=tl.float32)
         for k_start in range(0, INTER, BLOCK_K):
-            gemv += _gemv_step(h_ptr + pid_m * stride_hm, stride_hk, w_ptr, scales_ptr, cols,
-                               col_ok, k_start, stride_wn, stride_wk, stride_sn, stride_sk,
-                               INTER, BLOCK_N, BLOCK_K, FP4, SCALE_BLOCK, SCALE_E8M0)
+            gemv += fp4_gemv_step(h_ptr + pid_m * stride_hm, stride_hk, w_ptr, scales_ptr,
+                                  cols, col_ok, k_start, stride_wn, stride_wk, stride_sn,
+                                  stride_sk, INTER, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_E8M0)
         tl.store(y_ptr + pid_m * stride_ym + cols * stride_yn,
                  tl.sum(gemv, axis=1) * factor, mask=col_ok)
         return
@@ -505,8 +462,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
                   norm_weight: torch.Tensor | None,
                   eps: float, one_pair_per_block: bool | None = None,
                   tiles: Tiles | None = None,
-                  reduce_pairs: PairReduce | None = None,
-                  dense_gemv: bool | None = None) -> torch.Tensor:
+                  reduce_pairs: PairReduce | None = None) -> torch.Tensor:
     """The Triton path of `muse.kernels.moe.fused_experts` (same arguments and result).
 
     gate_up / down: dense [E, 2I, L] / [E, L, I] in the activation dtype, or `Fp4Weight`s
@@ -514,9 +470,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     stored).
     one_pair_per_block: None picks the mode from the number of pairs
     (`use_one_pair_per_block`); True / False force it (tests, benchmarks). tiles: None
-    picks them from the shapes (`choose_tiles`); given, they are used (tuning). dense_gemv:
-    with one pair per block, 16-bit dense experts run as GEMVs (`dense_gemv_tiles`); None
-    reads `MUSE_MOE_GEMV`.
+    picks them from the shapes (`choose_tiles`); given, they are used (tuning).
     """
     num_tokens, latent = x.shape
     top_k = expert_ids.shape[1]
@@ -537,16 +491,11 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.float().contiguous()
 
-    dense = not isinstance(gate_up, (Fp4Weight, Fp8Weight)) and not isinstance(
-        down, (Fp4Weight, Fp8Weight)) and x.dtype in (torch.bfloat16, torch.float16)
-    if dense_gemv is None:
-        dense_gemv = dense_gemv_default()
-    dense_gemv = dense_gemv and dense and bool(one_pair_per_block)
     if one_pair_per_block:
         # Block b is pair b; the kernels read its expert straight from expert_ids and never
         # read sorted_pairs (any pointer will do). Pairs that share an expert each stream
         # its weights, mostly from L2 (see use_one_pair_per_block): fine at decode sizes.
-        tiles = tiles or (dense_gemv_tiles(latent, inter) if dense_gemv else DECODE_TILES)
+        tiles = tiles or DECODE_TILES
         sorted_pairs, block_expert = expert_ids, expert_ids
         num_blocks = num_rows = num_pairs
     else:
@@ -564,8 +513,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     # blocks, mostly of one expert, and share the same weight tile through L2.
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = tiles.gemm1
-    if not dense_gemv:  # tl.dot's tiles: at least 16 wide, no wider than the matrix
-        block_n, block_k = _fit(block_n, inter), _fit_k(block_k, latent, gate_up)
+    block_n, block_k = _fit(block_n, inter), _fit_k(block_k, latent, gate_up)
     (w, scales, factor, *w_strides), w_format = _weight_args(gate_up)
     _gemm1_swiglu_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w, scales, factor, h, sorted_pairs, block_expert,
@@ -574,8 +522,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         h.stride(0), h.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        GEMV=dense_gemv or (one_pair_per_block and w_format["FP4"]), **w_format,
-        num_warps=warps, num_stages=stages, **pdl,
+        GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
+        num_stages=stages, **pdl,
     )
 
     # y stays float32: it feeds an RMSNorm and a k-way weighted sum, and rounding it to bf16
@@ -586,8 +534,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     block_n, block_k, warps, stages = tiles.gemm2
     if isinstance(down, Fp4Weight):
         block_n = min(block_n, FP4_MAX_GEMM2_BLOCK_N)
-    if not dense_gemv:
-        block_n, block_k = _fit(block_n, latent), _fit_k(block_k, inter, down)
+    block_n, block_k = _fit(block_n, latent), _fit_k(block_k, inter, down)
     (w, scales, factor, *w_strides), w_format = _weight_args(down)
     _gemm2_kernel[(num_blocks, triton.cdiv(latent, block_n))](
         h, w, scales, factor, y, sorted_pairs, block_expert,
@@ -596,8 +543,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         y.stride(0), y.stride(1), LATENT=latent, INTER=inter,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, WIDEN=_WIDEN_DOT, ONE_PAIR_PER_BLOCK=one_pair_per_block,
-        GEMV=dense_gemv or (one_pair_per_block and w_format["FP4"]), **w_format,
-        num_warps=warps, num_stages=stages, **pdl,
+        GEMV=one_pair_per_block and w_format["FP4"], **w_format, num_warps=warps,
+        num_stages=stages, **pdl,
     )
 
     if reduce_pairs is not None:

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from muse.kernels.attention_metadata import BatchMetadata, KindMetadata
-from muse.kernels.gemv_triton import split_counters
 from muse.kernels.paged_attention import check_kv_scales
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 
@@ -79,7 +77,7 @@ def _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
 
 @triton.jit
 def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
         tables_ptr, first_block_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2, window, table_width, num_heads,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -87,9 +85,7 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-        FP8: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    """MERGE (NUM_SPLITS > 1): the last split of a (request, kv head) to finish, counted at
-    counter_ptr, merges the group's heads itself instead of a combine launch."""
+        FP8: tl.constexpr, PDL: tl.constexpr):
     start_dependent_kernel(PDL)
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,40 +154,6 @@ def _decode_kernel(
         tl.store(ws_l_ptr + row, l_i, mask=g_mask)
         tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=g_mask[:, None] & d_mask[None, :])
-        if MERGE:
-            # acq_rel: this split's partials are visible before its arrival; the last to
-            # arrive sees every split's.
-            counter = counter_ptr + request * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                for g in tl.static_range(GROUP):
-                    _merge_splits(out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, request,
-                                  kv_head * GROUP + g, q_row, num_heads, stride_ot, stride_oh,
-                                  HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
-                tl.atomic_xchg(counter, 0)  # ready for the next call
-
-
-@triton.jit
-def _merge_splits(out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, request, head, q_row, num_heads,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One head's output row from its splits' partial (max, sum, accumulator), all splits
-    read at once (`.cg`: written by other programs of this launch, or by the launch before)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    d_mask = offs_d < HEAD_DIM
-    row = (request * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(ws_m_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(ws_l_ptr + row, mask=s_mask, other=0.0, cache_modifier=".cg")
-    acc = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 0)
-    # All splits empty (a row that sees no key) -> weights 0 and output 0, not NaN.
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    denom = tl.sum(l_s * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -206,8 +168,22 @@ def _combine_kernel(
     q_row = tl.load(query_start_ptr + request)
     if tl.load(query_start_ptr + request + 1) == q_row:
         return
-    _merge_splits(out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, request, head, q_row, num_heads,
-                  stride_ot, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (request * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(ws_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ws_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # All splits empty (a row that sees no key) -> weights 0 and output 0, not NaN.
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(l_s * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -345,11 +321,6 @@ def _sm_count(device: torch.device) -> int:
     return 132  # H100 SXM; only matters for the CPU interpreter, which runs tests
 
 
-# The split-KV merge inside the decode kernel, by the last split of each kv head to finish
-# (`MUSE_ATTN_MERGE=1`): one launch a layer fewer; off until timed on the H200 (a merge that
-# walked the splits one by one measured slower than the combine launch).
-MERGE_IN_DECODE_KERNEL = os.environ.get("MUSE_ATTN_MERGE", "0") == "1"
-
 # Decode: 64 keys (four 16-token pages) per iteration keeps the K/V loads wide enough to be
 # bandwidth-bound rather than latency-bound, and a split shorter than 256 keys does too
 # little work to pay for its share of the combine. Two CTAs per SM is enough to saturate HBM.
@@ -393,10 +364,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        device=q.device) if splits > 1 else out
     ws_l = torch.empty_like(ws_m) if splits > 1 else out
     tables = kind.block_tables
-    merge = splits > 1 and MERGE_IN_DECODE_KERNEL
-    counters = split_counters(q.device, num_requests * num_kv_heads) if merge else out
     _decode_kernel[(num_requests, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l, counters,
+        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         tables, kind.first_block, meta.seq_lens, meta.query_start,
         k_scale if fp8 else out, v_scale if fp8 else out,
         scale * _LOG2E, sliding_window or 0, table_width, num_heads,
@@ -406,12 +375,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # The group's heads are the M rows of tl.dot, padded to its 16-row minimum.
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_SIZE=meta.block_size, NUM_SPLITS=splits, SLIDING=sliding_window is not None,
-        PRECISION=_precision(q.dtype), FP8=fp8, MERGE=merge,
-        BLOCK_S=triton.next_power_of_2(splits),
+        PRECISION=_precision(q.dtype), FP8=fp8,
         # Decode is a stream of K/V: 4 warps cover a 16 x 64 tile, and a second stage lets
         # the next pages load while this one is reduced.
         num_warps=4, num_stages=2, **pdl_options(q.device))
-    if splits > 1 and not merge:
+    if splits > 1:
         _combine_kernel[(num_requests, num_heads)](
             out, ws_acc, ws_m, ws_l, meta.query_start, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,

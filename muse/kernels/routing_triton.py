@@ -21,13 +21,16 @@ from muse.kernels.routing_checks import check_arguments
 
 
 @triton.jit
-def route_row(logits, weights_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr,
-              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
-              NORMALIZE: tl.constexpr):
-    """One token's routing from its float32 logits [BLOCK_E] (-inf past the row's end):
-    the k weights and ids stored at weights_ptr / ids_ptr."""
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr,
+                       num_experts, stride_lt, stride_le, stride_wt, stride_it,
+                       TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    start_dependent_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     in_row = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + experts * stride_le, mask=in_row,
+                     other=float("-inf")).to(tl.float32)
     if SOFTMAX:
         exps = tl.exp(logits - tl.max(logits, axis=0))  # 0 past the row's end
         scores = exps / tl.sum(exps, axis=0)
@@ -49,22 +52,8 @@ def route_row(logits, weights_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr,
     if NORMALIZE:
         top_weights = top_weights / tl.sum(tl.where(slots < TOP_K, top_weights, 0.0), axis=0)
     in_k = slots < TOP_K
-    tl.store(weights_ptr + slots, top_weights, mask=in_k)
-    tl.store(ids_ptr + slots, top_ids, mask=in_k)
-
-
-@triton.jit
-def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr,
-                       num_experts, stride_lt, stride_le, stride_wt, stride_it,
-                       TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    start_dependent_kernel(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * stride_lt + experts * stride_le,
-                     mask=experts < num_experts, other=float("-inf")).to(tl.float32)
-    route_row(logits, weights_ptr + token * stride_wt, ids_ptr + token * stride_it,
-              num_experts, TOP_K, BLOCK_E, BLOCK_K, SOFTMAX, NORMALIZE)
+    tl.store(weights_ptr + token * stride_wt + slots, top_weights, mask=in_k)
+    tl.store(ids_ptr + token * stride_it + slots, top_ids, mask=in_k)
 
 
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, normalize: bool

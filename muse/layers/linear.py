@@ -26,8 +26,7 @@ from torch import nn
 
 from muse.distributed.parallel_state import get_tp_group
 from muse.layers.lazy_slice import LazySlice, copy_into
-from muse.layers.quantization import (QuantizationConfig, UnquantizedLinearMethod,
-                                      linear_method, set_weight_attrs)
+from muse.layers.quantization import QuantizationConfig, linear_method, set_weight_attrs
 
 ShardId = int | str
 
@@ -97,16 +96,6 @@ class LinearBase(nn.Module):
             size = param.shape[dim]
             source = source.narrow(dim, self.tp_rank * size, size)
         copy_into(param.data, source, self._name(param))
-
-    def plain_weight(self) -> torch.Tensor | None:
-        """The weight, when this layer's output is exactly x @ weight^T on every rank
-        (unquantized, no bias, no adapters, the whole matrix on this rank): what a kernel
-        fusing the product with the next step may compute itself; else None."""
-        whole = (self.input_size_per_partition == self.input_size
-                 and self.output_size_per_partition == self.output_size)
-        plain = (isinstance(self.quant_method, UnquantizedLinearMethod) and self.bias is None
-                 and self.lora is None and whole)
-        return self.weight if plain else None
 
     def _adapted(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output plus the adapters' deltas of this step's tokens (a row-parallel layer's

@@ -13,7 +13,6 @@ from torch import nn
 
 from muse.config import TextConfig
 from muse.kernels.backends import MoEBackend
-from muse.kernels.dense_linear import takes_fused_router
 from muse.layers.fused_moe import FusedMoE
 from muse.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from muse.layers.quantization import QuantizationConfig
@@ -70,21 +69,13 @@ class EngineMoE(nn.Module):
     def forward(self, x: torch.Tensor, dp_num_tokens: list[int] | None = None) -> torch.Tensor:
         """`dp_num_tokens`: every data-parallel rank's token count this step, when the
         experts are spread over data-parallel ranks (see `FusedMoE`)."""
-        weights, expert_ids = self._route(x)
+        config = self.config
+        weights, expert_ids = self.backend.route_topk(self.gate(x), config.num_experts_per_tok,
+                                                      config.router_scoring,
+                                                      config.norm_topk_prob)
         latent = self.pooler(x) if self.pooler is not None else x
         combined = self.experts(latent, weights, expert_ids, dp_num_tokens)
         out = self.unpooler(combined) if self.unpooler is not None else combined
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) of every token: the router's product and the routing, in one
-        launch for a single row where the backend has that kernel and the router is a plain
-        weight."""
-        config = self.config
-        routing = (config.num_experts_per_tok, config.router_scoring, config.norm_topk_prob)
-        fused, weight = self.backend.gate_route_topk, self.gate.plain_weight()
-        if fused is not None and weight is not None and takes_fused_router(x, weight):
-            return fused(x, weight, *routing)
-        return self.backend.route_topk(self.gate(x), *routing)

@@ -156,58 +156,6 @@ def test_decode_modes(num_tokens: int, num_experts: int, top_k: int, chosen: lis
         assert set(chosen) <= set(flat.tolist())
 
 
-@pytest.mark.parametrize("max_block_k", [2048, 16], ids=["one_step", "k_loop"])
-@pytest.mark.parametrize(("latent", "inter", "norm"), [(32, 48, True), (40, 24, False)])
-def test_dense_gemv_mode_matches_the_twin(monkeypatch: pytest.MonkeyPatch, max_block_k: int,
-                                          latent: int, inter: int, norm: bool) -> None:
-    """16-bit experts as one-row GEMVs (`dense_gemv=True`), with widths that are not powers of
-    two and, with 16-input steps, a K loop of several steps, against the twin; with repeated
-    experts across tokens. The flag is ignored where it cannot apply (the aligned path)."""
-    monkeypatch.setattr(moe_triton, "DENSE_GEMV_MAX_BLOCK_K", max_block_k)
-    gemv_flags: list[bool] = []
-
-    class Spy:
-        """The real kernel, launched as asked; records whether it ran as a GEMV."""
-
-        def __init__(self, kernel) -> None:
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs) -> None:
-                gemv_flags.append(kwargs["GEMV"])
-                self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("_gemm1_swiglu_kernel", "_gemm2_kernel"):
-        monkeypatch.setattr(moe_triton, name, Spy(getattr(moe_triton, name)))
-    for dtype in (torch.bfloat16, torch.float16):
-        moe = make_moe(8, 4, latent=latent, inter=inter, norm=norm, dtype=torch.float32,
-                       seed=9).to(dtype)
-        x = make_tokens(moe, 2, chosen=None, seed=4)
-        with torch.no_grad():
-            twin, _ = run_fused(fused_experts_torch, moe, x)
-            for one_pair in (True, False):
-                def fn(*args, one_pair=one_pair):
-                    return moe_triton.fused_experts(*args, one_pair_per_block=one_pair,
-                                                    dense_gemv=True)
-                gemv_flags.clear()
-                out, _ = run_fused(fn, moe, x)
-                assert gemv_flags == [one_pair, one_pair]
-                assert out.dtype == dtype
-                assert_close(out, twin, torch.bfloat16)
-
-
-def test_dense_gemv_tiles_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    tiles = moe_triton.dense_gemv_tiles(1024, 640)
-    assert tiles.gemm1 == (2, 1024, 4, 1) and tiles.gemm2 == (2, 1024, 4, 1)
-    assert moe_triton.dense_gemv_tiles(4096, 20).gemm1[1] == 2048
-    assert moe_triton.dense_gemv_tiles(4096, 20).gemm2[1] == 32
-    monkeypatch.delenv("MUSE_MOE_GEMV", raising=False)
-    assert not moe_triton.dense_gemv_default()
-    monkeypatch.setenv("MUSE_MOE_GEMV", "1")
-    assert moe_triton.dense_gemv_default()
-
-
 class _OpLog(TorchDispatchMode):
     """Records the name of every aten op that runs while it is active."""
 

@@ -175,34 +175,3 @@ def test_decode_with_tables_wider_than_needed(device, num_splits, window):
     # splits by its own length.
     check(DECODE, device=device, window=window, kv_heads=1, run=_decode, num_splits=num_splits,
           extra_width=60)
-
-
-@pytest.mark.parametrize(("num_splits", "window", "group", "batch"), [
-    (3, 16, 2, "decode"), (8, None, 4, "decode"), (8, 40, 1, "decode"), (5, None, 2, "verify")])
-def test_merge_in_the_decode_kernel_gives_the_combines_bits(device, monkeypatch, num_splits,
-                                                            window, group, batch):
-    """`MUSE_ATTN_MERGE`: the last split of each kv head to finish merges the group's heads
-    (the combine kernel's own arithmetic), so the output is the combine launch's bit for bit;
-    the arrival counters are back at zero after each call (two calls agree)."""
-    from muse.kernels import paged_attention_triton as module
-    from muse.kernels.gemv_triton import split_counters
-    from muse.kernels.paged_attention_triton import _per_token
-
-    q, k_cache, v_cache, meta, kind = make_batch(
-        BATCHES[batch], block_size=16, window=window, kv_heads=2, group=group, head_dim=32,
-        dtype=torch.float32, device=device)
-    if batch == "verify":
-        meta, kind = _per_token(meta, kind)
-    args = (q, k_cache, v_cache, meta, kind, window, 32 ** -0.5)
-    combined = _decode(*args, num_splits=num_splits, block_n=32)
-    monkeypatch.setattr(module, "MERGE_IN_DECODE_KERNEL", True)
-
-    class NoCombine:
-        def __getitem__(self, grid):
-            raise AssertionError("the combine kernel was launched")
-
-    monkeypatch.setattr(module, "_combine_kernel", NoCombine())
-    for _ in range(2):
-        merged = _decode(*args, num_splits=num_splits, block_n=32)
-        torch.testing.assert_close(merged, combined, atol=0, rtol=0)
-    assert not split_counters(q.device, 1)[:2 * meta.num_requests].any()

@@ -96,7 +96,7 @@ def test_a_layer_chain_gives_the_same_bits_with_and_without_pdl(monkeypatch) -> 
 
 _COMPILE_FOR_HOPPER = r"""
 from tests.kernels.hopper_compile import compile_for_hopper
-from muse.kernels import gemv_triton, norms_triton, paged_attention_triton, router_gemv_triton
+from muse.kernels import gemv_triton, norms_triton, paged_attention_triton
 
 compile_for_hopper(norms_triton._rms_norm_kernel,
                    dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
@@ -107,29 +107,21 @@ compile_for_hopper(gemv_triton._dense_gemv_kernel,
                         partial_ptr="*fp32", counter_ptr="*i32"),
                    dict(K=4096, HAS_BIAS=False, BLOCK_N=2, BLOCK_K=2048, K_PER_PROGRAM=2048,
                         SPLIT=2, PDL=True), {"stride_xk", "stride_yn"}, num_stages=1)
-compile_for_hopper(router_gemv_triton._router_gemv_kernel,
-                   dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*bf16", counter_ptr="*i32",
-                        weights_ptr="*fp32", ids_ptr="*i64"),
-                   dict(K=2048, BLOCK_N=2, BLOCK_K=2048, TOP_K=8, BLOCK_E=256, BLOCK_TOP=8,
-                        SOFTMAX=True, NORMALIZE=True, PDL=True), {"stride_xk"}, num_stages=1)
-for merge in (False, True):
-    compile_for_hopper(paged_attention_triton._decode_kernel,
-                       dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16",
-                            ws_acc_ptr="*fp32", ws_m_ptr="*fp32", ws_l_ptr="*fp32",
-                            counter_ptr="*i32", tables_ptr="*i64", first_block_ptr="*i64",
-                            seq_lens_ptr="*i64", query_start_ptr="*i64", k_scale_ptr="*fp32",
-                            v_scale_ptr="*fp32", scale_log2="fp32"),
-                       dict(GROUP=2, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
-                            BLOCK_SIZE=16, NUM_SPLITS=33, SLIDING=False, PRECISION="tf32",
-                            FP8=False, MERGE=merge, BLOCK_S=64, PDL=True), set(),
-                       num_stages=2)
+compile_for_hopper(paged_attention_triton._decode_kernel,
+                   dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16",
+                        ws_acc_ptr="*fp32", ws_m_ptr="*fp32", ws_l_ptr="*fp32",
+                        tables_ptr="*i64", first_block_ptr="*i64", seq_lens_ptr="*i64",
+                        query_start_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                        scale_log2="fp32"),
+                   dict(GROUP=2, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
+                        BLOCK_SIZE=16, NUM_SPLITS=33, SLIDING=False, PRECISION="tf32",
+                        FP8=False, PDL=True), set(), num_stages=2)
 print("compiled")
 """
 
 
 def test_kernels_launched_with_pdl_compile_for_hopper() -> None:
-    """The norm, the GEMV, the fused router and decode attention (with and without the merge
-    in the kernel) compile for sm_90 with the PDL instructions in."""
+    """The norm, the GEMV and decode attention compile for sm_90 with the PDL instructions in."""
     from tests.kernels.hopper_compile import assert_script_compiles
 
     assert_script_compiles(_COMPILE_FOR_HOPPER)

@@ -534,18 +534,12 @@ for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
          moe_triton.DECODE_TILES.gemm1, prefill.gemm1, prefill.gemm1),
         (moe_triton._gemm2_kernel, dict(h_ptr="*bf16", y_ptr="*fp32"),
          moe_triton.DECODE_TILES.gemm2, prefill_gemm2, prefill.gemm2)):
-    for fmt, block_m, tile in (
+    for fmt, block_m, (block_n, block_k, num_warps, num_stages) in (
             ("fp4", 16, decode_tile), ("fp4", prefill.block_m, prefill_tile),
             ("fp8", 16, decode_tile), ("fp8", prefill.block_m, prefill_tile_fp8),
             ("fp8-block", 16, decode_tile), ("fp8-block", prefill.block_m, prefill_tile_fp8),
-            ("dense", 16, decode_tile), ("dense-gemv", 16, None)):
-        if fmt == "dense-gemv":  # the bf16 experts' GEMV (`dense_gemv=True`)
-            gemv_tiles = moe_triton.dense_gemv_tiles(1024, 640)
-            tile = (gemv_tiles.gemm1 if kernel is moe_triton._gemm1_swiglu_kernel
-                    else gemv_tiles.gemm2)
-        block_n, block_k, num_warps, num_stages = tile
-        fp4, blocks = fmt == "fp4", fmt == "fp8-block"
-        quantized = not fmt.startswith("dense")
+            ("dense", 16, decode_tile)):
+        fp4, quantized, blocks = fmt == "fp4", fmt != "dense", fmt == "fp8-block"
         weight = "*u8" if quantized else "*bf16"
         pointers = dict(io, w_ptr=weight, scales_ptr="*u8" if fp4 else "*fp32" if blocks
                         else weight, row_factor_ptr="*fp32" if quantized else weight,
@@ -553,12 +547,10 @@ for kernel, io, decode_tile, prefill_tile, prefill_tile_fp8 in (
         compile_for_hopper(
             kernel, pointers,
             dict(LATENT=1024, INTER=640, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_K=block_k if fmt == "dense-gemv" else min(block_k, 128),
-                 PRECISION="tf32", WIDEN=False,
+                 BLOCK_K=min(block_k, 128), PRECISION="tf32", WIDEN=False,
                  ONE_PAIR_PER_BLOCK=block_m == 16, FP4=fp4, FP8=fmt.startswith("fp8"),
                  SCALE_BLOCK=16 if fp4 else 1, SCALE_E8M0=False,
-                 HAS_ROW_FACTOR=quantized and not blocks,
-                 GEMV=(fp4 and block_m == 16) or fmt == "dense-gemv",
+                 HAS_ROW_FACTOR=quantized and not blocks, GEMV=fp4 and block_m == 16,
                  FP8_BLOCK_N=128 if blocks else 0, FP8_BLOCK_K=128 if blocks else 0,
                  PDL=True),
             UNIT, num_warps, num_stages)
@@ -569,6 +561,5 @@ print("compiled")
 def test_kernels_compile_for_hopper() -> None:
     """The linear kernel (NVFP4 decode, MXFP4 at 64 rows), the one-row GEMV and the fused
     experts' GEMMs (FP4, FP8 with row and with block scales at decode and prefill tiles,
-    dense at decode, and dense as GEMVs) compile for sm_90 with the tiles the launchers pick,
-    launched with PDL."""
+    dense at decode) compile for sm_90 with the tiles the launchers pick, launched with PDL."""
     assert_script_compiles(_COMPILE_FOR_HOPPER)

@@ -75,9 +75,7 @@ def test_measures_every_case_at_toy_sizes(monkeypatch) -> None:
     assert [row["name"] for row in rows] == [
         "qkv_proj", "o_proj", "moe.pooler", "moe.unpooler", "shared_expert.gate_up_proj",
         "shared_expert.down_proj", "experts"]
-    # Two weight copies or routings per variant; the experts also as bf16 GEMVs (last).
-    assert timed == [2] * (3 * len(rows) + 1)
-    assert rows[-1]["bf16-gemv"]["speedup"] == 1.0 and "bf16-gemv" not in rows[0]
+    assert timed == [2] * 3 * len(rows)  # two weight copies or routings per variant
     for row in rows:
         assert row["bf16"]["us"] == 10.0 and row["bf16"]["GBps"] > 0
         for fmt in ("nvfp4", "mxfp4"):

@@ -245,18 +245,3 @@ def test_errors_name_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     column = ColumnParallelLinear(8, 8)
     with pytest.raises(ValueError, match="not fused: shard_id must be None"):
         load(column.weight, torch.zeros(8, 8), 0)
-
-
-def test_plain_weight_only_where_the_output_is_x_times_the_weight(monkeypatch) -> None:
-    """What a kernel fusing the product with the next step may use: the whole, unquantized
-    weight of a layer without bias or adapters."""
-    layer = ReplicatedLinear(24, 40)
-    assert layer.plain_weight() is layer.weight
-    assert ReplicatedLinear(24, 40, bias=True).plain_weight() is None
-    layer.lora = object()  # adapters attached
-    assert layer.plain_weight() is None
-    as_tp_rank(monkeypatch, LINEAR, world_size=2, rank=0)
-    assert ColumnParallelLinear(24, 40).plain_weight() is None  # this rank's rows only
-    assert RowParallelLinear(24, 40).plain_weight() is None  # this rank's inputs only
-    assert ReplicatedLinear(24, 40).plain_weight() is not None  # whole on every rank
-
