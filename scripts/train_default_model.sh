@@ -16,7 +16,8 @@
 # SEED (default 0) seeds the weights and the data; BATCH_SIZE (default 32) rows of 1024 tokens;
 # LR (default 2e-3) is the peak learning rate; SHARE (default 0.85) the share of each row
 # given to conversations (Python source fills the rest); CLIPS (default 16000) spoken clips;
-# ENCODER_LR_SCALE (default 1) the encoders' learning rate as a multiple of LR.
+# ENCODER_LR_SCALE (default 1) the encoders' learning rate as a multiple of LR; TASK_WEIGHTS
+# (e.g. unseen_tools=0.4,image=0.3) replaces the named conversation tasks' default weights.
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
@@ -83,6 +84,7 @@ TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$
 if [ -n "${INIT_FROM:-}" ] && [ -z "${RESUME:-}" ]; then TRAIN+=(--init-from "$INIT_FROM"); fi
 if [ -n "${SPEECH_POOL:-}" ]; then TRAIN+=(--speech-pool "$SPEECH_POOL"); fi
 if [ -n "${STEPS:-}" ]; then TRAIN+=(--schedule-steps "$STEPS"); fi
+if [ -n "${TASK_WEIGHTS:-}" ]; then TRAIN+=(--task-weights "$TASK_WEIGHTS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
 echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"

@@ -33,6 +33,9 @@ class PretrainArgs:
     encoder_lr_scale: float = 1.0  # the encoders' learning rate, as a multiple of --lr
     seed: int = 0
     conversation_share: float = 0.7
+    # Conversation tasks' weights by name, replacing the defaults of the names given
+    # (`muse.train.data.conversations.TASK_NAMES`); None keeps them all.
+    task_weights: dict[str, float] | None = None
     python_packages: bool = True  # also installed permissively licensed packages' source
     resume: bool = False
     init_from: str | None = None  # start from this checkpoint's weights (fresh optimizer)
@@ -58,6 +61,20 @@ class PretrainArgs:
             raise ValueError(f"--speech-clips must be >= 0, got {self.speech_clips}")
         if self.encoder_lr_scale <= 0:
             raise ValueError(f"--encoder-lr-scale must be positive, got {self.encoder_lr_scale}")
+
+
+
+def parse_task_weights(text: str) -> dict[str, float]:
+    """"unseen_tools=0.4,image=0.3" -> {"unseen_tools": 0.4, "image": 0.3}."""
+    weights = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=WEIGHT[,NAME=WEIGHT...], got {text!r}") from None
+    return weights
 
 
 def validate_common(args: Any) -> None:
@@ -150,6 +167,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seeds the initial weights and the data stream")
     parser.add_argument("--conversation-share", type=float, default=defaults.conversation_share,
                         help="share of each row's tokens given to conversations")
+    parser.add_argument("--task-weights", type=parse_task_weights, default=None,
+                        help="conversation tasks' weights, e.g. unseen_tools=0.4,image=0.3, "
+                             "replacing the defaults of the tasks named (arithmetic, tools, "
+                             "instructions, unseen_tools, image, video, audio; default: the "
+                             "weights in muse/train/data/conversations.py)")
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
                         help="use only the standard library's Python source, not installed "
                              "permissively licensed packages' too (default: off)")

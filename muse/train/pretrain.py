@@ -64,9 +64,9 @@ TIMING_SKIP_STEPS = 30
 SCHEDULE_REFIT_STEPS = 100
 # Arguments that define the model and the data stream: a resumed run must keep them.
 RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                "weight_decay", "grad_clip", "seed", "conversation_share", "aux_loss_coef",
-                "python_packages", "encoder_lr_scale", "speech_pool", "speech_clips",
-                "schedule_steps")
+                "weight_decay", "grad_clip", "seed", "conversation_share", "task_weights",
+                "aux_loss_coef", "python_packages", "encoder_lr_scale", "speech_pool",
+                "speech_clips", "schedule_steps")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -257,11 +257,12 @@ class Run:
         pool = load_or_build_speech_pool(self.config, self.args.speech_pool,
                                          self.args.speech_clips, self.args.seed)
         tasks = conversation_tasks(vision=self.config.vision_config is not None,
-                                   speech_pool=pool)
+                                   speech_pool=pool, weights=self.args.task_weights)
         batches = TrainingBatches(mixture, self.tokenizer, corpus, tasks, self.processor)
         sources = batches[0]["sources"].reshape(-1)
         counts = torch.bincount(sources.long(), minlength=len(SOURCES)).tolist()
         manifest = {"python_source": manifest, "mixture": dataclasses.asdict(mixture),
+                    "task_weights": {task.name: task.weight for task in tasks},
                     "token_share_of_batch_0": {name: count / sources.numel()
                                                for name, count in zip(SOURCES, counts)}}
         (self.out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -48,6 +48,30 @@ def test_every_task_appears() -> None:
         assert parts == [kind for kind, items in conversation.media.items() for _ in items]
 
 
+def test_task_weights_replace_the_named_defaults() -> None:
+    default = {task.name: task.weight
+               for task in conversation_tasks(vision=True, speech_pool=NoiseSpeechPool())}
+    tasks = conversation_tasks(vision=True, speech_pool=NoiseSpeechPool(),
+                               weights={"unseen_tools": 0.0, "image": 2.0})
+    weights = {task.name: task.weight for task in tasks}
+    assert weights == {**default, "unseen_tools": 0.0, "image": 2.0}
+    rng = random.Random(0)
+    drawn = [sample_conversation(rng, TRAIN, tasks).task for _ in range(300)]
+    assert "unseen_tools" not in drawn
+    assert drawn.count("image") > drawn.count("video") * 5  # 2.0 against 0.1
+
+
+@pytest.mark.parametrize("weights, message", [
+    ({"unseen_tool": 1.0}, "unknown task"),
+    ({"image": -1.0}, ">= 0"),
+    ({"image": float("nan")}, ">= 0"),
+    ({name: 0.0 for name in TASK_NAMES}, "all be zero"),
+])
+def test_bad_task_weights_are_refused(weights, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        conversation_tasks(vision=True, speech_pool=NoiseSpeechPool(), weights=weights)
+
+
 def test_conversations_render_and_round_trip(tokenizer: MuseTokenizer) -> None:
     for conversation in _conversations(1, 150):
         text = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)

@@ -15,6 +15,7 @@ from muse.checkpoint import load_reference_model
 from muse.cli import main
 from muse.presets import get_preset
 from muse.train import memory, pretrain
+from muse.train.data.conversations import TEXT_TASKS
 from muse.train.data.python_source import PythonCorpus, SourceFile
 from muse.train.options import STATE_FILE
 from muse.train.schedule import learning_rate
@@ -76,6 +77,16 @@ def test_three_steps_write_a_loadable_checkpoint_and_a_log(tmp_path: Path) -> No
     assert "token_share_of_batch_0" in json.loads((out / "data_manifest.json").read_text())
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (out / "loss.png").is_file() == has_matplotlib
+
+
+def test_task_weights_reach_the_data_and_the_manifest(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _train(out, "--steps", "1", "--task-weights", "unseen_tools=0.5, image=0")
+    weights = json.loads((out / "data_manifest.json").read_text())["task_weights"]
+    assert weights["unseen_tools"] == 0.5 and weights["image"] == 0.0
+    assert weights["arithmetic"] == TEXT_TASKS[0].weight  # a task not named keeps its default
+    with pytest.raises(SystemExit):
+        _train(tmp_path / "bad", "--steps", "1", "--task-weights", "image")
 
 
 def test_resuming_continues_exactly_where_the_run_stopped(tmp_path: Path) -> None:

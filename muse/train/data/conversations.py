@@ -11,8 +11,8 @@ model trains on: the text tasks, plus the media tasks its encoders can take.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -193,14 +193,25 @@ AUDIO_WEIGHT = 0.13
 TASK_NAMES: tuple[str, ...] = (*(task.name for task in TEXT_TASKS), "image", "video", "audio")
 
 
-def conversation_tasks(vision: bool = False, speech_pool: Any = None) -> list[Task]:
+def conversation_tasks(vision: bool = False, speech_pool: Any = None,
+                       weights: Mapping[str, float] | None = None) -> list[Task]:
     """The text tasks, plus image and video tasks with `vision`, plus the audio task with a
-    pool of spoken clips."""
+    pool of spoken clips; `weights` replaces the default weights of the tasks it names."""
     tasks = list(TEXT_TASKS)
     if vision:
         tasks += [IMAGE_TASK, VIDEO_TASK]
     if speech_pool is not None:
         tasks.append(Task("audio", AUDIO_WEIGHT, partial(audio_conversation, pool=speech_pool)))
+    weights = weights or {}
+    unknown = sorted(set(weights) - set(TASK_NAMES))
+    if unknown:
+        raise ValueError(f"task weights: unknown task(s) {unknown}; the tasks are "
+                         f"{list(TASK_NAMES)}")
+    if any(not weight >= 0 for weight in weights.values()):  # also refuses NaN
+        raise ValueError(f"task weights must be >= 0, got {weights}")
+    tasks = [replace(task, weight=weights.get(task.name, task.weight)) for task in tasks]
+    if not sum(task.weight for task in tasks) > 0:
+        raise ValueError(f"the tasks' weights must not all be zero: {weights}")
     return tasks
 
 
