@@ -26,7 +26,7 @@ AUTO = "auto"
 class AttentionBackend:
     name: str
     write_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
-    # (q, k_cache, v_cache, meta, kind, window, scale, k_scale, v_scale) -> out
+    # (q, k_cache, v_cache, meta, kind, window, scale, k_scale, v_scale, new_kv=None) -> out
     paged_attention: Callable
     qk_norm_rope: Callable  # (q, k, q_weight, k_weight, cos, sin, eps) -> (q, k)
     rms_norm: Callable  # (x, weight, eps) -> normed

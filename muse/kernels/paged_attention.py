@@ -58,8 +58,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim]."""
+                    v_scale: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim].
+
+    new_kv (this step's K/V, already in the cache) is for kernels that can read them
+    directly; the cache holds the same values, so this twin reads only the cache."""
     fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

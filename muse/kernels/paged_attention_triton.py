@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -187,25 +188,17 @@ def _combine_kernel(
 
 
 @triton.jit
-def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
-                  k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """One online-softmax step over the keys at relative positions start..start+BLOCK_N.
+def _attend_tile(acc, m_i, l_i, q, k, v, q_pos, key_pos, valid, window, scale_log2,
+                 MASKED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over a tile of keys k / values v [BLOCK_N, BLOCK_D] at
+    absolute positions key_pos.
 
     MASKED=False is for tiles every query row sees whole (below the causal diagonal, inside
     every row's window): no position tests at all, which is most of the work at long
     contexts."""
-    rel = start + offs_n
-    valid = rel < hi
-    k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
-                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         BLOCK_SIZE)
     k, v = k.to(q.dtype), v.to(q.dtype)  # exact from FP8; a no-op otherwise
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
-        key_pos = base + rel
         allowed = valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed &= key_pos[None, :] > q_pos[:, None] - window
@@ -222,15 +215,50 @@ def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, tabl
 
 
 @triton.jit
+def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
+                  k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """The keys at relative positions start..start+BLOCK_N, read through the block table."""
+    rel = start + offs_n
+    valid = rel < hi
+    k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         BLOCK_SIZE)
+    return _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, valid, window, scale_log2,
+                        MASKED, SLIDING, PRECISION)
+
+
+@triton.jit
+def _fresh_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, k_desc, v_desc,
+                row0, column, scale_log2, MASKED: tl.constexpr, SLIDING: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The same keys read from this step's K/V rows with tensor-memory-accelerator copies:
+    the request has no cached context, so key position p is its row row0 + p. Rows past the
+    request (the next one's, or none: read as zeros) are masked like keys past `hi`."""
+    rel = start + offs_n
+    row = (row0 + base + start).to(tl.int32)  # descriptor coordinates are 32-bit
+    k = k_desc.load([row, column])
+    v = v_desc.load([row, column])
+    return _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, rel < hi, window,
+                        scale_log2, MASKED, SLIDING, PRECISION)
+
+
+@triton.jit
 def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, first_block_ptr, seq_lens_ptr,
         query_start_ptr, k_scale_ptr, v_scale_ptr, scale_log2, window, table_width,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_table,
+        k_new_ptr, v_new_ptr, num_tokens, stride_knt, stride_vnt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr):
+        FP8: tl.constexpr, FRESH: tl.constexpr, KV_WIDTH: tl.constexpr, PDL: tl.constexpr):
+    """FRESH: requests without cached context read their keys and values from this step's
+    rows (k_new_ptr / v_new_ptr [num_tokens, KV_WIDTH], rows in the order of q) through
+    tensor descriptors instead of gathering them page by page from the cache."""
     start_dependent_kernel(PDL)
     request = tl.program_id(0)
     # Causal tiles further down the prompt see more keys: the grid hands them out first, so
@@ -280,25 +308,49 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     table_ptr = tables_ptr + request * stride_table
-    if SLIDING:  # the lower edge of the window: partly masked
-        for start in range(lo, full_lo, BLOCK_N):
+    # Each source has its own three loops: a branch inside a loop body would keep Triton from
+    # pipelining the loads across iterations.
+    if FRESH and seq_len == q_len:
+        k_desc = tl.make_tensor_descriptor(k_new_ptr, shape=[num_tokens, KV_WIDTH],
+                                           strides=[stride_knt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_new_ptr, shape=[num_tokens, KV_WIDTH],
+                                           strides=[stride_vnt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        column = (kv_head * HEAD_DIM).to(tl.int32)
+        if SLIDING:
+            for start in range(lo, full_lo, BLOCK_N):
+                acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, full_lo, offs_n,
+                                            base, window, k_desc, v_desc, q_row0, column,
+                                            scale_log2, True, SLIDING, PRECISION)
+        for start in range(full_lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, full_end, offs_n,
+                                        base, window, k_desc, v_desc, q_row0, column,
+                                        scale_log2, False, SLIDING, PRECISION)
+        for start in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n,
+                                        base, window, k_desc, v_desc, q_row0, column,
+                                        scale_log2, True, SLIDING, PRECISION)
+    else:
+        if SLIDING:  # the lower edge of the window: partly masked
+            for start in range(lo, full_lo, BLOCK_N):
+                acc, m_i, l_i = _prefill_tile(
+                    acc, m_i, l_i, q, q_pos, start, full_lo, offs_n, base, window, table_ptr,
+                    k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    BLOCK_SIZE, True, SLIDING, PRECISION)
+        for start in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(
-                acc, m_i, l_i, q, q_pos, start, full_lo, offs_n, base, window, table_ptr,
+                acc, m_i, l_i, q, q_pos, start, full_end, offs_n, base, window, table_ptr,
+                k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, False, SLIDING, PRECISION)
+        for start in range(full_end, hi, BLOCK_N):  # the causal diagonal: masked
+            acc, m_i, l_i = _prefill_tile(
+                acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
                 k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 BLOCK_SIZE, True, SLIDING, PRECISION)
-    for start in range(full_lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, q_pos, start, full_end, offs_n, base, window, table_ptr,
-            k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, False, SLIDING, PRECISION)
-    for start in range(full_end, hi, BLOCK_N):  # the causal diagonal: masked
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
-            k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, True, SLIDING, PRECISION)
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -387,11 +439,39 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+# Prefill requests without cached context read this step's K/V rows through tensor
+# descriptors (`_fresh_tile`) instead of gathering them from the cache pages: off until timed
+# on the H200 (`MUSE_PREFILL_TMA=1` turns it on).
+PREFILL_TMA = os.environ.get("MUSE_PREFILL_TMA", "0") == "1"
+
+
+def _reads_by_descriptor(k: torch.Tensor, v: torch.Tensor, head_dim: int,
+                         block_d: int) -> bool:
+    """Whether K/V rows [tokens, kv_heads, head_dim] can be read as 2D tensor descriptors:
+    16-bit, each row's heads contiguous, 16-byte aligned rows, heads as wide as the tile."""
+    def fits(x: torch.Tensor) -> bool:
+        size = x.element_size()
+        return (size == 2 and x.stride(2) == 1 and x.stride(1) == head_dim
+                and x.stride(0) * size % 16 == 0 and x.data_ptr() % 16 == 0)
+    return head_dim == block_d and fits(k) and fits(v)
+
+
+@functools.cache
+def _set_descriptor_allocator() -> None:
+    """Descriptors built in a kernel need global scratch memory, which Triton asks of the
+    allocator set here (torch's, so CUDA graphs capture it in their pool)."""
+    def allocate(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    triton.set_allocator(allocate)
+
+
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None, scale: float,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              block_m: int | None = None, block_n: int | None = None,
-             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+             num_warps: int | None = None, num_stages: int | None = None,
+             new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+             fresh: bool | None = None) -> torch.Tensor:
     fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     _, head_dim, group, block_d = _common(q, k_cache)
     num_requests, num_kv_heads = meta.num_requests, k_cache.shape[2]
@@ -410,6 +490,13 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_q = max(block_m // block_g, -(-16 // block_g))  # at least 16 rows for tl.dot
     tables = kind.block_tables
     out = torch.empty_like(q)
+    if fresh is None:
+        fresh = PREFILL_TMA
+    fresh = fresh and not fp8 and new_kv is not None and _reads_by_descriptor(
+        *new_kv, head_dim, block_d)
+    k_new, v_new = new_kv if fresh else (out, out)
+    if fresh and q.is_cuda:
+        _set_descriptor_allocator()
     grid = (num_requests, -(-meta.max_query_len // block_q), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, tables, kind.first_block, meta.seq_lens, meta.query_start,
@@ -417,9 +504,11 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tables.shape[1],
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), tables.stride(0),
+        k_new, v_new, k_new.shape[0], k_new.stride(0), v_new.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=meta.block_size, SLIDING=sliding_window is not None,
-        PRECISION=_precision(q.dtype), FP8=fp8,
+        PRECISION=_precision(q.dtype), FP8=fp8, FRESH=fresh,
+        KV_WIDTH=k_new.shape[1] * head_dim if fresh else head_dim,
         # 4 warps spill registers on these full-size tiles; 8 hold the accumulator, the scores
         # and the probabilities. The stages overlap the next K/V pages with this tile's math.
         num_warps=num_warps or (8 if block_q * block_g >= 64 else 4), num_stages=num_stages,
@@ -430,9 +519,13 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: BatchMetadata, kind: KindMetadata, sliding_window: int | None,
                            scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """q [tokens, heads, head_dim] -> [tokens, heads, head_dim]; caches [blocks, bs, kv, dim];
-    an FP8 cache with float32 scales [kv_heads] (see the twin).
+    an FP8 cache with float32 scales [kv_heads] (see the twin). new_kv: this step's K and V
+    [tokens, kv_heads, head_dim], rows in the order of q, already written to the cache; a
+    prefill may read a request's keys from them when it has no cached context.
 
     Launches only: no host sync and no value-dependent shapes, so decode steps can be
     captured in a CUDA graph.
@@ -447,7 +540,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if meta.max_query_len <= SHORT_QUERY_LEN:
         return _decode(q, k_cache, v_cache, *_per_token(meta, kind), sliding_window, scale,
                        k_scale, v_scale)
-    return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale, k_scale, v_scale)
+    return _prefill(q, k_cache, v_cache, meta, kind, sliding_window, scale, k_scale, v_scale,
+                    new_kv=new_kv)
 
 
 # Steps whose requests bring at most this many queries (speculative verification: 1 + k)

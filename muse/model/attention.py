@@ -116,5 +116,6 @@ class EngineAttention(nn.Module):
             self._calculate_kv_scales(k, v)
         self.backend.write_kv(k_cache, v_cache, k, v, slots, self.k_scale, self.v_scale)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, kind, self.sliding_window,
-                                           self.scale, self.k_scale, self.v_scale)
+                                           self.scale, self.k_scale, self.v_scale,
+                                           new_kv=(k, v) if context is None else None)
         return self.o_proj(out.reshape(x.shape[0], -1))
