@@ -142,13 +142,30 @@ def test_the_reasoning_repeats_the_request_and_lists_the_offered_tools_before_de
             user, reply = exchange(case)[:2]
             action = case.requested.action
             assert action in user["content"]
-            names = [tool.name for tool in case.offered]
+            names = [f'"{tool.name}"' for tool in case.offered]
             listed = f"The tool is {names[0]}." if len(names) == 1 else \
                 f"The tools are {', '.join(names[:-1])} and {names[-1]}."
-            decision = f"I should call {case.tool.name}." if case.tool is not None else \
+            decision = f'I should call "{case.tool.name}".' if case.tool is not None else \
                 f"It cannot {action}." if len(names) == 1 else f"None of them can {action}."
             assert reply["reasoning_content"] == \
                 f"The user asks to {action}. {listed} {decision}"
+
+
+def test_names_in_the_reasoning_are_the_schemas_and_the_calls_tokens() -> None:
+    """A name quoted in the reasoning is the same run of tokens as in the tool schema and in
+    the call, so copying it is copying tokens (unquoted, after a space, its first piece would
+    be another token)."""
+    tokenizer = MuseTokenizer.base()
+    rng = random.Random(4)
+    for _ in range(40):
+        case = sample_case(rng, HELD_OUT, "call")
+        rendered = tokenizer.apply_chat_template(exchange(case)[:2],
+                                                 tools=offered_schemas(case))
+        ids = tokenizer.encode(rendered)
+        name = tokenizer.encode(f' "{case.tool.name}')
+        starts = [i for i in range(len(ids)) if ids[i:i + len(name)] == name]
+        # The schema, the list of offered tools, the decision and the call.
+        assert len(starts) >= 4, (case.tool.name, rendered)
 
 
 def test_the_reasoning_of_hand_made_cases() -> None:
@@ -156,11 +173,11 @@ def test_the_reasoning_of_hand_made_cases() -> None:
                              for seed in (1, 2, 3))
     choose = unseen_tools.UnseenToolCase("choose", "", (first, second), second, {}, {}, "")
     assert unseen_tools.reasoning(choose) == (
-        f"The user asks to {second.action}. The tools are {first.name} and {second.name}. "
-        f"I should call {second.name}.")
+        f'The user asks to {second.action}. The tools are "{first.name}" and "{second.name}". '
+        f'I should call "{second.name}".')
     lone = unseen_tools.UnseenToolCase("no_tool", "", (first,), wanted, {}, None, "")
     assert unseen_tools.reasoning(lone) == (
-        f"The user asks to {wanted.action}. The tool is {first.name}. "
+        f'The user asks to {wanted.action}. The tool is "{first.name}". '
         f"It cannot {wanted.action}.")
 
 

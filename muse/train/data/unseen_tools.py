@@ -478,9 +478,18 @@ def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
     return [tool.schema() for tool in case.offered]
 
 
+def quoted(name: str) -> str:
+    """A tool name in the reasoning as the schema and the call write it, in double quotes: the
+    tokenizer then splits it into the same tokens in all three places (after a space its
+    first piece would be another token, ' re' for 're'), so the reasoning copies the schema
+    token for token and the call copies the reasoning."""
+    return f'"{name}"'
+
+
 def _offered_names(tools: tuple[Tool, ...]) -> str:
-    """The offered tools' names in order: "The tools are a, b and c." or "The tool is a."."""
-    names = [tool.name for tool in tools]
+    """The offered tools' names in order: 'The tools are "a", "b" and "c".' or 'The tool is
+    "a".'."""
+    names = [quoted(tool.name) for tool in tools]
     if len(names) == 1:
         return f"The tool is {names[0]}."
     return f"The tools are {', '.join(names[:-1])} and {names[-1]}."
@@ -496,7 +505,7 @@ def reasoning(case: UnseenToolCase) -> str:
     action = case.requested.action
     offered = f"The user asks to {action}. {_offered_names(case.offered)}"
     if case.tool is not None:
-        return f"{offered} I should call {case.tool.name}."
+        return f"{offered} I should call {quoted(case.tool.name)}."
     if len(case.offered) == 1:
         return f"{offered} It cannot {action}."
     return f"{offered} None of them can {action}."
@@ -517,6 +526,6 @@ def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
          "tool_calls": [{"type": "function", "function": {
              "name": name, "arguments": case.arguments}}]},
         {"role": "tool", "content": json.dumps(case.result)},
-        {"role": "assistant", "reasoning_content": f"The {name} tool answered.",
+        {"role": "assistant", "reasoning_content": f"The {quoted(name)} tool answered.",
          "content": case.answer},
     ]
