@@ -492,8 +492,9 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     if fresh is None:
         fresh = PREFILL_TMA
-    fresh = fresh and not fp8 and new_kv is not None and _reads_by_descriptor(
-        *new_kv, head_dim, block_d)
+    # The rows must be the values the cache holds: the same dtype, not FP8-rounded.
+    fresh = (fresh and not fp8 and new_kv is not None and new_kv[0].dtype == k_cache.dtype
+             and _reads_by_descriptor(*new_kv, head_dim, block_d))
     k_new, v_new = new_kv if fresh else (out, out)
     if fresh and q.is_cuda:
         _set_descriptor_allocator()
