@@ -169,8 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of each row's tokens given to conversations")
     parser.add_argument("--task-weights", type=parse_task_weights, default=None,
                         help="conversation tasks' weights, e.g. unseen_tools=0.4,image=0.3, "
-                             "replacing the defaults of the tasks named (arithmetic, tools, "
-                             "instructions, unseen_tools, image, video, audio; default: the "
+                             "replacing those of the tasks named: arithmetic, tools, "
+                             "instructions, unseen_tools, image, video, audio (default: the "
                              "weights in muse/train/data/conversations.py)")
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
                         help="use only the standard library's Python source, not installed "
