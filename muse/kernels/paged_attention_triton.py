@@ -215,34 +215,39 @@ def _attend_tile(acc, m_i, l_i, q, k, v, q_pos, key_pos, valid, window, scale_lo
 
 
 @triton.jit
-def _prefill_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
-                  k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """The keys at relative positions start..start+BLOCK_N, read through the block table."""
-    rel = start + offs_n
-    valid = rel < hi
-    k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
-                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         BLOCK_SIZE)
-    return _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, valid, window, scale_log2,
-                        MASKED, SLIDING, PRECISION)
+def _page_keys(acc, m_i, l_i, q, q_pos, begin, end, offs_n, base, window, table_ptr,
+               k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+               SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+    """The keys at relative positions begin..end, BLOCK_N a step, read through the block
+    table."""
+    for start in range(begin, end, BLOCK_N):
+        rel = start + offs_n
+        valid = rel < end
+        k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, rel, valid, d_mask, offs_d, kv_head,
+                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             BLOCK_SIZE)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, valid, window,
+                                     scale_log2, MASKED, SLIDING, PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
-def _fresh_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, k_desc, v_desc,
-                row0, column, scale_log2, MASKED: tl.constexpr, SLIDING: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _fresh_keys(acc, m_i, l_i, q, q_pos, begin, end, offs_n, base, window, k_desc, v_desc,
+                row0, column, scale_log2, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                SLIDING: tl.constexpr, PRECISION: tl.constexpr):
     """The same keys read from this step's K/V rows with tensor-memory-accelerator copies:
     the request has no cached context, so key position p is its row row0 + p. Rows past the
-    request (the next one's, or none: read as zeros) are masked like keys past `hi`."""
-    rel = start + offs_n
-    row = (row0 + base + start).to(tl.int32)  # descriptor coordinates are 32-bit
-    k = k_desc.load([row, column])
-    v = v_desc.load([row, column])
-    return _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, rel < hi, window,
-                        scale_log2, MASKED, SLIDING, PRECISION)
+    range (the next request's, or none: read as zeros) are masked like keys past `end`."""
+    for start in range(begin, end, BLOCK_N):
+        rel = start + offs_n
+        row = (row0 + base + start).to(tl.int32)  # descriptor coordinates are 32-bit
+        k = k_desc.load([row, column])
+        v = v_desc.load([row, column])
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, q_pos, base + rel, rel < end,
+                                     window, scale_log2, MASKED, SLIDING, PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -308,8 +313,9 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     table_ptr = tables_ptr + request * stride_table
-    # Each source has its own three loops: a branch inside a loop body would keep Triton from
-    # pipelining the loads across iterations.
+    # Each source has its own loops: a branch inside a loop body would keep Triton from
+    # pipelining the loads across iterations. The key ranges: the lower edge of the window
+    # (partly masked), the keys every row sees whole, the causal diagonal (masked).
     if FRESH and seq_len == q_len:
         k_desc = tl.make_tensor_descriptor(k_new_ptr, shape=[num_tokens, KV_WIDTH],
                                            strides=[stride_knt, 1],
@@ -317,40 +323,27 @@ def _prefill_kernel(
         v_desc = tl.make_tensor_descriptor(v_new_ptr, shape=[num_tokens, KV_WIDTH],
                                            strides=[stride_vnt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        column = (kv_head * HEAD_DIM).to(tl.int32)
+        rows = (k_desc, v_desc, q_row0, (kv_head * HEAD_DIM).to(tl.int32), scale_log2)
         if SLIDING:
-            for start in range(lo, full_lo, BLOCK_N):
-                acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, full_lo, offs_n,
-                                            base, window, k_desc, v_desc, q_row0, column,
-                                            scale_log2, True, SLIDING, PRECISION)
-        for start in range(full_lo, full_end, BLOCK_N):
-            acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, full_end, offs_n,
-                                        base, window, k_desc, v_desc, q_row0, column,
-                                        scale_log2, False, SLIDING, PRECISION)
-        for start in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, q_pos, start, hi, offs_n,
-                                        base, window, k_desc, v_desc, q_row0, column,
-                                        scale_log2, True, SLIDING, PRECISION)
+            acc, m_i, l_i = _fresh_keys(acc, m_i, l_i, q, q_pos, lo, full_lo, offs_n, base,
+                                        window, *rows, BLOCK_N, True, SLIDING, PRECISION)
+        acc, m_i, l_i = _fresh_keys(acc, m_i, l_i, q, q_pos, full_lo, full_end, offs_n, base,
+                                    window, *rows, BLOCK_N, False, SLIDING, PRECISION)
+        acc, m_i, l_i = _fresh_keys(acc, m_i, l_i, q, q_pos, full_end, hi, offs_n, base,
+                                    window, *rows, BLOCK_N, True, SLIDING, PRECISION)
     else:
-        if SLIDING:  # the lower edge of the window: partly masked
-            for start in range(lo, full_lo, BLOCK_N):
-                acc, m_i, l_i = _prefill_tile(
-                    acc, m_i, l_i, q, q_pos, start, full_lo, offs_n, base, window, table_ptr,
-                    k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    BLOCK_SIZE, True, SLIDING, PRECISION)
-        for start in range(full_lo, full_end, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(
-                acc, m_i, l_i, q, q_pos, start, full_end, offs_n, base, window, table_ptr,
-                k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, False, SLIDING, PRECISION)
-        for start in range(full_end, hi, BLOCK_N):  # the causal diagonal: masked
-            acc, m_i, l_i = _prefill_tile(
-                acc, m_i, l_i, q, q_pos, start, hi, offs_n, base, window, table_ptr,
-                k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, True, SLIDING, PRECISION)
+        pages = (table_ptr, k_ptr, v_ptr, d_mask, offs_d, kv_head, scale_log2, stride_kb,
+                 stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
+        if SLIDING:
+            acc, m_i, l_i = _page_keys(acc, m_i, l_i, q, q_pos, lo, full_lo, offs_n, base,
+                                       window, *pages, BLOCK_N, BLOCK_SIZE, True, SLIDING,
+                                       PRECISION)
+        acc, m_i, l_i = _page_keys(acc, m_i, l_i, q, q_pos, full_lo, full_end, offs_n, base,
+                                   window, *pages, BLOCK_N, BLOCK_SIZE, False, SLIDING,
+                                   PRECISION)
+        acc, m_i, l_i = _page_keys(acc, m_i, l_i, q, q_pos, full_end, hi, offs_n, base,
+                                   window, *pages, BLOCK_N, BLOCK_SIZE, True, SLIDING,
+                                   PRECISION)
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -440,7 +433,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 # Prefill requests without cached context read this step's K/V rows through tensor
-# descriptors (`_fresh_tile`) instead of gathering them from the cache pages: off until timed
+# descriptors (`_fresh_keys`) instead of gathering them from the cache pages: off until timed
 # on the H200 (`MUSE_PREFILL_TMA=1` turns it on).
 PREFILL_TMA = os.environ.get("MUSE_PREFILL_TMA", "0") == "1"
 
