@@ -1,5 +1,5 @@
 """Prefill reading a request's keys from this step's K/V rows through tensor descriptors
-(`MUSE_PREFILL_TMA`) against reading them from the cache pages, and the rows it accepts."""
+(on by default on sm_90+, `MUSE_PREFILL_TMA=0` turns it off) against reading them from the cache pages, and the rows it accepts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from muse.kernels.paged_attention_triton import _prefill, _reads_by_descriptor
+from muse.kernels.paged_attention_triton import _has_tma, _prefill, _reads_by_descriptor
 from tests.kernels.hopper_compile import assert_script_compiles
 from tests.kernels.test_paged_attention_triton import check, make_batch
 
@@ -56,6 +56,13 @@ def test_descriptor_reads_take_only_rows_they_can_address() -> None:
     assert not _reads_by_descriptor(rows, spread, 32, 32)  # a row's heads not contiguous
     odd = torch.zeros(8 * 2 * 32 + 1, dtype=torch.bfloat16)[1:].view(8, 2, 32)
     assert not _reads_by_descriptor(odd, rows, 32, 32)  # not 16-byte aligned
+
+
+def test_descriptor_reads_are_the_default_only_where_tma_exists() -> None:
+    assert not _has_tma(torch.device("cpu"))
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert _has_tma(torch.device("cuda", torch.cuda.current_device())) == hopper
 
 
 _COMPILE = r"""
