@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from muse.plot_png import save_figure
+
 logger = logging.getLogger("muse.bench")
 
 
@@ -58,6 +60,6 @@ def plot_levels(summaries: list[dict[str, Any]], path: Path, title: str) -> bool
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, dpi=110)
     plt.close(figure)
     return True

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from muse.plot_png import save_figure
+
 PLOT_FILE = "grpo.png"
 
 
@@ -34,6 +36,6 @@ def plot_grpo(metrics_path: Path, png_path: Path, title: str = "") -> bool:
     axis.legend(loc="lower right")
     axis.set_title(title or "GRPO with LoRA")
     figure.tight_layout()
-    figure.savefig(png_path, dpi=120)
+    save_figure(figure, png_path, dpi=120)
     plt.close(figure)
     return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from muse.plot_png import save_figure
+
 
 def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -45,6 +47,6 @@ def plot_losses(log_path: Path, png_path: Path, title: str = "") -> bool:
     rates.grid(True, alpha=0.3)
     figure.tight_layout()
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(png_path, dpi=110)
+    save_figure(figure, png_path, dpi=110)
     plt.close(figure)
     return True
