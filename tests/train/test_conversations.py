@@ -12,8 +12,8 @@ from muse.chat_format import ASSISTANT_ID, END_OF_TURN_ID, THINK_END_ID, THINK_S
 from muse.eval.schema import schema_errors
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import arithmetic, instructions, tools
-from muse.train.data.conversations import (TASK_NAMES, TEXT_TASKS, conversation_tasks,
-                                           sample_conversation)
+from muse.train.data.conversations import (TASK_NAMES, TEXT_TASKS, answered_directly,
+                                           conversation_tasks, sample_conversation)
 from tests.train.helpers import NoiseSpeechPool
 from muse.train.data.split import HELD_OUT, TRAIN, is_held_out
 
@@ -88,6 +88,25 @@ def test_conversations_render_and_round_trip(tokenizer: MuseTokenizer) -> None:
             assert turn.count(THINK_START_ID) == 1 and turn.count(THINK_END_ID) == 1
         if conversation.tools:
             assert "You can call the tools below" in text
+
+
+def test_some_conversations_answer_with_thinking_off(tokenizer: MuseTokenizer) -> None:
+    conversations = _conversations(2, 600)
+    direct = [c for c in conversations
+              if all(m.get("reasoning_content") == "" for m in c.messages
+                     if m["role"] == "assistant")]
+    # DIRECT_ANSWER_SHARE of 600: about 30, far from none and from all.
+    assert 10 <= len(direct) <= 60, len(direct)
+    conversation = direct[0]
+    # The reply follows exactly what the generation prompt writes with thinking off.
+    upto = conversation.messages.index(next(m for m in conversation.messages
+                                            if m["role"] == "assistant"))
+    prompt = tokenizer.apply_chat_template(conversation.messages[:upto],
+                                           tools=conversation.tools,
+                                           add_generation_prompt=True, enable_thinking=False)
+    whole = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)
+    assert prompt.endswith("<|assistant|><think></think>") and whole.startswith(prompt)
+    assert answered_directly(direct[0]).messages == direct[0].messages
 
 
 def _equations_hold(reasoning: str) -> None:

@@ -62,6 +62,19 @@ def test_assistant_mask_covers_assistant_turns_through_their_end(
         [False, False, False, True, True, False]
 
 
+def test_an_empty_reasoning_block_opening_a_reply_is_context(tokenizer: MuseTokenizer) -> None:
+    """With thinking off the generation prompt writes `<think></think>`: the model learns
+    the answer after it, not to write one (which would skip its reasoning when thinking)."""
+    conversation = Conversation("instructions", [
+        {"role": "user", "content": "Copy: abc"},
+        {"role": "assistant", "reasoning_content": "", "content": "abc"},
+        {"role": "user", "content": "Copy: de"},
+        {"role": "assistant", "reasoning_content": "Copy it.", "content": "de"}])
+    ids, sources, _ = encode_conversation(conversation, tokenizer)
+    trained = [token for token, source in zip(ids, sources) if source != NO_LOSS]
+    assert trained == tokenizer.encode("abc<|end|><think>Copy it.</think>de<|end|>")
+
+
 def test_batches_are_fixed_length_and_deterministic(tokenizer: MuseTokenizer,
                                                     corpus: PythonCorpus) -> None:
     config = MixtureConfig(seq_len=256, batch_size=3, seed=5)

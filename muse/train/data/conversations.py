@@ -1,7 +1,8 @@
 """Whole conversations in the Muse chat format, drawn from a weighted registry of tasks.
 
 A conversation is an optional system prompt (carrying the tool list when tools are offered)
-and one to three exchanges. Every assistant turn opens with a reasoning block. Media tasks
+and one to three exchanges. Every assistant turn opens with a reasoning block (empty in
+`DIRECT_ANSWER_SHARE` of conversations: answers with thinking off). Media tasks
 (images, video, audio) have content-part user turns, which the chat template renders as
 placeholders; the pixels, frames or waveforms travel in `Conversation.media`, in
 placeholder order, for the processor to expand. `conversation_tasks` gives the registry a
@@ -27,6 +28,10 @@ SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assista
 SYSTEM_PROMPT_SHARE = 0.4
 # Share of conversations with a second exchange, and of those, with a third.
 FOLLOW_UP_SHARE = 0.2
+# Share of conversations answered with thinking off (`enable_thinking: false`): every reply
+# opens with an empty reasoning block, as the generation prompt then writes it, and answers
+# at once. Without them a model writes its reasoning after the empty block anyway.
+DIRECT_ANSWER_SHARE = 0.05
 
 
 @dataclass
@@ -215,8 +220,19 @@ def conversation_tasks(vision: bool = False, speech_pool: Any = None,
     return tasks
 
 
+def answered_directly(conversation: Conversation) -> Conversation:
+    """The conversation with every reply's reasoning emptied: `<think></think>` and then the
+    answer, the call or the refusal."""
+    messages = [{**message, "reasoning_content": ""} if message["role"] == "assistant"
+                else message for message in conversation.messages]
+    return replace(conversation, messages=messages)
+
+
 def sample_conversation(rng: random.Random, split: str,
                         tasks: list[Task] | None = None) -> Conversation:
     tasks = TEXT_TASKS if tasks is None else tasks
     task = rng.choices(tasks, weights=[t.weight for t in tasks])[0]
-    return task.make(rng, split)
+    conversation = task.make(rng, split)
+    if rng.random() < DIRECT_ANSWER_SHARE:
+        return answered_directly(conversation)
+    return conversation

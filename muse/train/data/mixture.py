@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from muse.chat_format import ASSISTANT_ID, BOS_ID, END_OF_TURN_ID, PAD_ID
+from muse.chat_format import (ASSISTANT_ID, BOS_ID, END_OF_TURN_ID, PAD_ID,
+                               THINK_END_ID, THINK_START_ID)
 from muse.reference.multimodal import MediaInput
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.conversations import TASK_NAMES, Conversation, Task, sample_conversation
@@ -53,10 +54,17 @@ class MixtureConfig:
 
 
 def assistant_mask(token_ids: list[int]) -> list[bool]:
-    """True for tokens the assistant wrote: after `<|assistant|>`, through its `<|end|>`."""
+    """True for tokens the assistant wrote: after `<|assistant|>`, through its `<|end|>`.
+
+    An empty reasoning block opening a reply (`<think></think>`, a direct answer) is context:
+    the generation prompt writes it when thinking is off, so the model learns to answer
+    after it, never to skip its reasoning by writing one itself."""
     mask, inside = [], False
-    for token in token_ids:
-        mask.append(inside)
+    given = (ASSISTANT_ID, THINK_START_ID, THINK_END_ID)
+    for index, token in enumerate(token_ids):
+        opens_direct_answer = (tuple(token_ids[index - 1:index + 2]) == given
+                               or tuple(token_ids[max(index - 2, 0):index + 1]) == given)
+        mask.append(inside and not opens_direct_answer)
         if token == ASSISTANT_ID:
             inside = True
         elif token == END_OF_TURN_ID:

@@ -47,7 +47,12 @@ IMAGE_FORMS: dict[str, tuple[str, ...]] = {
               "Give me the number of shapes{where}.", "How many things are drawn{where}?",
               "Tell me how many figures you see{where}.", "How many shapes appear{where}?",
               "What's the total number of objects{where}?",
-              "Count how many shapes there are{where}."),
+              "Count how many shapes there are{where}.",
+              # The count as a noun after another noun: a question that names the shapes
+              # first is not always asking which shape.
+              "What is the object count{where}?", "Give the figure count{where}.",
+              "Tell me the item count{where}.", "What count of figures is drawn{where}?",
+              "How large is the object tally{where}?"),
     "position": ("Where is the {colour} {shape}{where}?", "In which spot is the {colour} "
                  "{shape}{where}?", "Which part of the picture holds the {colour} {shape}?",
                  "Tell me where the {colour} {shape} is placed.",
