@@ -108,8 +108,9 @@ def tool_ids(tokenizer: MuseTokenizer, messages: list[dict[str, Any]]) -> list[i
 def greedy(llm: LLM) -> tuple[list[dict], list[list[Trajectory]], Recorder]:
     tasks = [*load_tasks("tools", 2, seed=0), calculator_task(),
              *load_tasks("addition", 1, seed=0)]
+    # Room for every reply to end its turn (the tests below read whole turns).
     groups, recorder = recorded_rollout(llm, tasks, SamplingParams(temperature=0.0,
-                                                                   max_tokens=64),
+                                                                   max_tokens=160),
                                         max_turns=3)
     return tasks, groups, recorder
 
