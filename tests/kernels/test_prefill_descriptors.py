@@ -1,5 +1,6 @@
 """Prefill reading a request's keys from this step's K/V rows through tensor descriptors
-(on by default on sm_90+, `MUSE_PREFILL_TMA=0` turns it off) against reading them from the cache pages, and the rows it accepts."""
+(on by default on sm_90+, `MUSE_PREFILL_TMA=0` turns it off) against reading them from the
+cache pages, and the rows it accepts."""
 
 from __future__ import annotations
 

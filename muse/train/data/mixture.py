@@ -59,12 +59,12 @@ def assistant_mask(token_ids: list[int]) -> list[bool]:
     An empty reasoning block opening a reply (`<think></think>`, a direct answer) is context:
     the generation prompt writes it when thinking is off, so the model learns to answer
     after it, never to skip its reasoning by writing one itself."""
+    direct = (ASSISTANT_ID, THINK_START_ID, THINK_END_ID)
+    given = {start + offset for start in range(len(token_ids) - 2)
+             if tuple(token_ids[start:start + 3]) == direct for offset in (1, 2)}
     mask, inside = [], False
-    given = (ASSISTANT_ID, THINK_START_ID, THINK_END_ID)
     for index, token in enumerate(token_ids):
-        opens_direct_answer = (tuple(token_ids[index - 1:index + 2]) == given
-                               or tuple(token_ids[max(index - 2, 0):index + 1]) == given)
-        mask.append(inside and not opens_direct_answer)
+        mask.append(inside and index not in given)
         if token == ASSISTANT_ID:
             inside = True
         elif token == END_OF_TURN_ID:
