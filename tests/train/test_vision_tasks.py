@@ -61,6 +61,9 @@ def test_questions_come_from_their_split() -> None:
                 if split == TRAIN:
                     written += composed_questions("image", kind,
                                                   split_items(IMAGE_QUESTIONS[kind], HELD_OUT))
+                if split == TRAIN and kind == "position" and len(case.scene.shapes) == 1:
+                    written += composed_questions("image", "position_lone",
+                                                  split_items(IMAGE_QUESTIONS[kind], HELD_OUT))
                 allowed = {template.format(colour=shape.colour, shape=shape.kind)
                            for template in written for shape in case.scene.shapes}
                 assert case.question in allowed
@@ -120,8 +123,10 @@ def test_counts_and_positions_match_the_pixels() -> None:
             if kind == "count":
                 assert case.answer == str(blobs)
                 continue
-            colour, shape = next((s.colour, s.kind) for s in case.scene.shapes
-                                 if f"{s.colour} {s.kind}" in case.question)
+            # The shape named, or the only one ("Where is the shape?").
+            colour, shape = next(((s.colour, s.kind) for s in case.scene.shapes
+                                  if f"{s.colour} {s.kind}" in case.question),
+                                 (case.target.colour, case.target.kind))
             labels, _ = ndimage.label(masks[colour])
             found = {POSITIONS[_cell(labels == index)] for index in range(1, labels.max() + 1)}
             # The shape asked about is the only one of its colour and kind.
@@ -201,3 +206,34 @@ def test_the_reasoning_ends_with_what_the_question_asks_and_the_answer_is_in_it(
         reasoning = case.messages()[1]["reasoning_content"]
         assert reasoning.endswith(f"The question asks {vision_tasks.VIDEO_TOPICS[kind]}.")
         assert case.answer in reasoning
+
+
+def test_training_draws_some_lone_shapes_larger_than_a_cell_and_held_out_none() -> None:
+    cell = vision_tasks.IMAGE_SIZE / 3
+    for split, rng in ((TRAIN, random.Random(21)), (HELD_OUT, random.Random(22))):
+        scenes = [sample_scene(rng, split, 1, with_text=False) for _ in range(200)]
+        large = [s.shapes[0] for s in scenes if s.shapes[0].radius > cell * 0.3]
+        if split == HELD_OUT:
+            assert not large
+            continue
+        assert 30 <= len(large) <= 90, len(large)  # LARGE_SHAPE_SHARE of 200
+        for shape in large:
+            x, y = shape.center
+            size = vision_tasks.IMAGE_SIZE
+            assert shape.radius <= x <= size - shape.radius
+            assert shape.radius <= y <= size - shape.radius
+            assert shape.cell == (min(2, int(y // cell)), min(2, int(x // cell)))
+    # Scenes with text or several shapes keep the grid's sizes.
+    crowded = sample_scene(random.Random(23), TRAIN, 3, with_text=True)
+    assert all(shape.radius <= cell * 0.3 for shape in crowded.shapes)
+
+
+def test_lone_shapes_are_sometimes_located_without_being_named() -> None:
+    rng = random.Random(24)
+    cases = [vision_tasks.sample_image_case(rng, TRAIN, "position") for _ in range(300)]
+    unnamed = [case for case in cases if case.target.colour not in case.question]
+    assert unnamed and all(len(case.scene.shapes) == 1 for case in unnamed)
+    assert all(case.answer == case.scene.shapes[0].position for case in unnamed)
+    rng = random.Random(25)
+    held_out = [vision_tasks.sample_image_case(rng, HELD_OUT, "position") for _ in range(100)]
+    assert all(case.target.colour in case.question for case in held_out)

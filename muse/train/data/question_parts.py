@@ -59,6 +59,13 @@ IMAGE_FORMS: dict[str, tuple[str, ...]] = {
                  "Give the location of the {colour} {shape}{where}.",
                  "Where does the {colour} {shape} sit{where}?",
                  "Point out where the {colour} {shape} is{where}."),
+    # Where the only shape is, asked without naming it (training only: the held-out
+    # position questions name the shape they ask about).
+    "position_lone": ("Where is {thing}{where}?", "In which part of the picture is {thing}?",
+                      "Tell me where {thing} is.", "Where does {thing} sit{where}?",
+                      "Give the location of {thing}{where}.", "Which region holds {thing}?",
+                      "Where can you see {thing}{where}?", "In what spot is {thing}{where}?",
+                      "Point to where {thing} is{where}."),
     "read": ("What is written{where}?", "What text do you see{where}?",
              "Read the writing{where}.", "Which word or digit is printed{where}?",
              "What do the characters say{where}?", "Tell me the written text{where}.",

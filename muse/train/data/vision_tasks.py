@@ -296,9 +296,18 @@ def label_map(scene: Scene) -> np.ndarray:
     return result
 
 
+# Share of training pictures of one shape (and no text) where the shape is drawn larger than
+# a grid cell, up to LARGE_SHAPE_MAX_RADIUS of the picture's side: users' pictures are not
+# all drawn to the grid, and a model that saw only cell-sized shapes reads a large circle as
+# several squares. Held-out pictures keep the grid's sizes, so figures stay comparable.
+LARGE_SHAPE_SHARE = 0.3
+LARGE_SHAPE_MAX_RADIUS = 0.4
+
+
 def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bool,
                  size: int = IMAGE_SIZE) -> Scene:
-    """`shape_count` shapes (1 to 8) in distinct cells, no two of the same colour and kind."""
+    """`shape_count` shapes (1 to 8) in distinct cells, no two of the same colour and kind;
+    in training, a lone shape is sometimes larger than a cell (`LARGE_SHAPE_SHARE`)."""
     if not 1 <= shape_count <= 8:
         raise ValueError(f"shape_count must be 1 to 8 (one cell is kept for text), got "
                          f"{shape_count}")
@@ -312,11 +321,24 @@ def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bo
                   int((row + 0.5) * cell_size) + rng.randint(-jitter, jitter))
         radius = rng.randint(int(cell_size * 0.22), int(cell_size * 0.3))
         shapes.append(Shape(kind, colour, (row, column), center, radius))
+    if split == TRAIN and shape_count == 1 and not with_text \
+            and rng.random() < LARGE_SHAPE_SHARE:
+        shapes = [_large_shape(rng, shapes[0].kind, shapes[0].colour, size)]
     text = None
     if with_text:
         text = str(rng.randint(0, 9)) if rng.random() < 0.5 else rng.choice(
             split_items(WORDS, split))
     return Scene(tuple(shapes), text, cells[-1] if with_text else None, size)
+
+
+def _large_shape(rng: random.Random, kind: str, colour: str, size: int) -> Shape:
+    """A lone shape larger than a grid cell, anywhere it fits; its position is its center's
+    cell."""
+    cell_size = size / 3
+    radius = rng.randint(int(cell_size * 0.3) + 1, int(size * LARGE_SHAPE_MAX_RADIUS))
+    center = (rng.randint(radius, size - radius), rng.randint(radius, size - radius))
+    cell = (min(2, int(center[1] // cell_size)), min(2, int(center[0] // cell_size)))
+    return Shape(kind, colour, cell, center, radius)
 
 
 def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -> ImageCase:
@@ -328,6 +350,10 @@ def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -
     with_text = kind == "read" or rng.random() < 0.3
     scene = sample_scene(rng, split, shape_count, with_text)
     template = rng.choice(_phrasings("image", IMAGE_QUESTIONS[kind], kind, split))
+    if kind == "position" and shape_count == 1 and split == TRAIN and rng.random() < 0.5:
+        # "Where is the shape?": the only shape, not named.
+        template = rng.choice(composed_questions(
+            "image", "position_lone", split_items(IMAGE_QUESTIONS["position"], HELD_OUT)))
     target = rng.choice(scene.shapes)
     question = template.format(colour=target.colour, shape=target.kind)
     answer = {"colour": target.colour, "shape": target.kind, "count": str(shape_count),
