@@ -73,7 +73,7 @@ def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int,
         offered = tools.offered_tools(rng, case.name)
         system = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] \
             if rng.random() < SYSTEM_PROMPT_SHARE else []
-        user, call, result, answer = tools.exchange(case)
+        user, call, result, answer = tools.exchange(case, offered)
         request = system + [user]
         calls.append(ChatPrompt(request, offered, reply_budget(llm, call, max_tokens)))
         answers.append(ChatPrompt(request + [call, result], offered,

@@ -48,7 +48,8 @@ def test_a_training_format_tool_call_is_valid_and_correct(tokenizer: MuseTokeniz
     for name in sorted(tools.MAKERS):
         case = tools.sample_case(rng, HELD_OUT, name)
         offered = tools.offered_tools(rng, name)
-        messages = [{"role": "user", "content": case.request}, tools.call_message(case)]
+        messages = [{"role": "user", "content": case.request},
+                    tools.call_message(case, offered)]
         reply = read_reply(_completion(_assistant_reply_ids(tokenizer, messages, offered)),
                            tokenizer)
         assert reply.content == "" and len(reply.tool_calls) == 1

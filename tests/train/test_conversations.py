@@ -150,7 +150,13 @@ def test_tool_calls_copy_the_request_and_fit_their_schema() -> None:
                 if name == "get_time" and "timezone" not in case.request:
                     continue  # the city is asked for, the timezone looked up
                 assert str(value) in case.request
-            user, call, result, answer = tools.exchange(case)
+            offered = tools.offered_tools(rng, name)
+            user, call, result, answer = tools.exchange(case, offered)
+            # The reasoning lists the offered tools in order, then names the one called.
+            reasoning = call["reasoning_content"]
+            listed = [reasoning.index(f'"{schema["function"]["name"]}"') for schema in offered]
+            assert listed == sorted(listed)
+            assert reasoning.endswith(f'I should call "{name}".')
             assert json.loads(result["content"]) == case.result
             assert case.answer_value in answer["content"]
             assert call["tool_calls"][0]["function"]["name"] == name

@@ -98,7 +98,7 @@ def tool_conversation(rng: random.Random, split: str) -> Conversation:
     if rng.random() < 0.85:
         case = tools.sample_case(rng, split)
         offered = tools.offered_tools(rng, case.name)
-        first = tools.exchange(case)
+        first = tools.exchange(case, offered)
     else:
         offered = tools.offered_tools(rng, None)
         first = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,19 +246,40 @@ def offered_tools(rng: random.Random, needed: str | None) -> list[dict[str, Any]
     return [TOOL_SCHEMAS[name] for name in chosen]
 
 
-def call_message(case: ToolCase) -> dict[str, Any]:
-    """The assistant turn that makes the call."""
-    return {"role": "assistant", "reasoning_content": f"I should call {case.name}.",
+def quoted(name: str) -> str:
+    """A tool name in the reasoning as the schema and the call write it, in double quotes: the
+    tokenizer then splits it into the same tokens in all three places (after a space its
+    first piece would be another token, ' re' for 're'), so the reasoning copies the schema
+    token for token and the call copies the reasoning."""
+    return f'"{name}"'
+
+
+def offered_names(names: Sequence[str]) -> str:
+    """The offered tools' names in order: 'The tools are "a", "b" and "c".' or 'The tool is
+    "a".'."""
+    written = [quoted(name) for name in names]
+    if len(written) == 1:
+        return f"The tool is {written[0]}."
+    return f"The tools are {', '.join(written[:-1])} and {written[-1]}."
+
+
+def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant turn that makes the call: its reasoning lists the `offered` schemas'
+    names, then names the one it calls (the procedure of the unseen tools, so that any tool
+    list is read the same way)."""
+    names = [schema["function"]["name"] for schema in offered]
+    return {"role": "assistant",
+            "reasoning_content": f"{offered_names(names)} I should call {quoted(case.name)}.",
             "content": "", "tool_calls": [{"type": "function", "function": {
                 "name": case.name, "arguments": case.arguments}}]}
 
 
-def exchange(case: ToolCase) -> list[dict[str, Any]]:
+def exchange(case: ToolCase, offered: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Request, call, tool result and the answer that uses it."""
     return [
         {"role": "user", "content": case.request},
-        call_message(case),
+        call_message(case, offered),
         {"role": "tool", "content": json.dumps(case.result)},
-        {"role": "assistant", "reasoning_content": f"The {case.name} tool answered.",
+        {"role": "assistant", "reasoning_content": f"The {quoted(case.name)} tool answered.",
          "content": case.answer},
     ]

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import function_schema
+from muse.train.data.tools import function_schema, offered_names, quoted
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up words, or as common words, rather than from the word lists.
@@ -478,23 +478,6 @@ def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
     return [tool.schema() for tool in case.offered]
 
 
-def quoted(name: str) -> str:
-    """A tool name in the reasoning as the schema and the call write it, in double quotes: the
-    tokenizer then splits it into the same tokens in all three places (after a space its
-    first piece would be another token, ' re' for 're'), so the reasoning copies the schema
-    token for token and the call copies the reasoning."""
-    return f'"{name}"'
-
-
-def _offered_names(tools: tuple[Tool, ...]) -> str:
-    """The offered tools' names in order: 'The tools are "a", "b" and "c".' or 'The tool is
-    "a".'."""
-    names = [quoted(tool.name) for tool in tools]
-    if len(names) == 1:
-        return f"The tool is {names[0]}."
-    return f"The tools are {', '.join(names[:-1])} and {names[-1]}."
-
-
 def reasoning(case: UnseenToolCase) -> str:
     """The assistant's reasoning before it calls a tool or declines.
 
@@ -503,7 +486,8 @@ def reasoning(case: UnseenToolCase) -> str:
     recalling a tool that fits the request but is not offered.
     """
     action = case.requested.action
-    offered = f"The user asks to {action}. {_offered_names(case.offered)}"
+    names = offered_names([tool.name for tool in case.offered])
+    offered = f"The user asks to {action}. {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
     if len(case.offered) == 1:
