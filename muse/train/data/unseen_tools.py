@@ -219,6 +219,28 @@ DECLINE_TEMPLATES = (
     "I would need a tool to {action}, which I don't have here.",
     "Unfortunately none of the tools can {action}.",
 )
+# Training requests that ask for a value about a thing instead of naming an action ("What is
+# the status of order A-7731?"): the tool is named for what it returns (`get_order_status`),
+# the argument's name is only in the schema (`order_id`) and its value is copied from the
+# question. Users' own tools are mostly like this, and a model that only saw imperatives
+# naming the tool's action reads such a question as one for the tools it knows.
+LOOKUP_SHARE = 0.3
+LOOKUP_VERBS = ("get", "lookup", "fetch", "check", "find", "read", "query", "show")
+PROPERTIES = ("status", "price", "owner", "location", "balance", "rating", "size", "weight",
+              "temperature", "schedule", "address", "score", "state", "colour", "capacity",
+              "version", "weather", "forecast", "history", "details", "cost", "duration")
+KEY_NAMES = ("id", "{noun}_id", "{noun}", "code", "number", "{noun}_number", "name", "key",
+             "reference", "{noun}_code", "{noun}_name", "identifier")
+LOOKUP_QUESTIONS = (
+    "What is the {property} of {noun} {value}?", "What's the {property} of {noun} {value}?",
+    "What is the {property} for {noun} {value}?", "Tell me the {property} of {noun} {value}.",
+    "Can you check the {property} of {noun} {value}?", "I need the {property} of {noun} {value}.",
+    "{Noun} {value}: what is its {property}?", "How about the {property} of {noun} {value}?",
+    "Look up the {property} of {noun} {value} for me.",
+    "Do you know the {property} of {noun} {value}?",
+    "Find out the {property} of {noun} {value}, please.",
+    "What {property} does {noun} {value} have?", "{Noun} {value} - what's the {property}?",
+    "Give me the {property} of the {noun} {value}.")
 DESCRIPTION_TEMPLATES = ("{Verb} the {noun}.", "{Verb} a {noun} by the given settings.",
                          "{Verb} one {noun}.", "Use this to {verb} the {noun}.",
                          "{Verb} the {noun} and report the {field}.")
@@ -275,6 +297,7 @@ class UnseenToolCase:
     arguments: dict[str, Any]
     result: dict[str, Any] | None
     answer: str
+    lookup: bool = False  # a question for a property (`lookup_tool`), not an action
 
     @property
     def tool(self) -> Tool | None:
@@ -351,7 +374,7 @@ def random_tool(rng: random.Random, split: str, verb: str | None = None,
     verb = verb or _word(rng, VERBS, split)
     noun = noun or _word(rng, NOUNS, split)
     qualifier = _word(rng, QUALIFIERS, split) if rng.random() < 0.4 else None
-    name = "_".join(word for word in (verb, qualifier, noun) if word)
+    name = "_".join(word for word in (verb, qualifier, noun) if word).replace(" ", "_")
     field = rng.choice(RESULT_FIELDS)
     # The first argument is always required so that every call has one.
     taken: set[str] = set()
@@ -380,6 +403,27 @@ def _value(rng: random.Random, argument: Argument) -> Any:
     if style == 2:
         return f"{rng.choice(STRING_WORDS)}-{rng.choice(STRING_WORDS)}"
     return rng.choice(PEOPLE)
+
+
+def lookup_tool(rng: random.Random) -> tuple[Tool, dict[str, Any], str]:
+    """A training tool named for the property it returns, its call and the question asking
+    for that property (`LOOKUP_SHARE`): ("get_order_status", {"order_id": "A-7731"}, "What is
+    the status of order A-7731?")."""
+    while True:  # no word a held-out case uses, in the name or the argument's name
+        noun, prop = _word(rng, NOUNS, TRAIN), _word(rng, PROPERTIES, TRAIN)
+        name = f"{rng.choice(LOOKUP_VERBS)}_{noun}_{prop}"
+        key_name = rng.choice(KEY_NAMES).format(noun=noun)
+        if not set(f"{name}_{key_name}".split("_")) & _held_out_words():
+            break
+    key = Argument(key_name, "string", rng.choice([f"The {noun} to look up.", f"Which {noun}.",
+                                                   f"Identifies the {noun}."]), True)
+    tool = Tool(name, "get", None, f"{noun} {prop}",
+                rng.choice([f"The {prop} of a {noun}.", f"Look up a {noun}'s {prop}.",
+                            f"Returns the {prop} of the given {noun}."]), (key,), prop)
+    value = _value(rng, key)
+    question = rng.choice(LOOKUP_QUESTIONS).format(property=prop, noun=noun,
+                                                   Noun=_capitalized(noun), value=value)
+    return tool, {key.name: value}, question
 
 
 def _call_arguments(rng: random.Random, tool: Tool) -> dict[str, Any]:
@@ -451,9 +495,13 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    requested = random_tool(rng, split)
-    arguments = _call_arguments(rng, requested)
-    request = _request(rng, split, requested, arguments)
+    lookup = split == TRAIN and rng.random() < LOOKUP_SHARE
+    if lookup:
+        requested, arguments, request = lookup_tool(rng)
+    else:
+        requested = random_tool(rng, split)
+        arguments = _call_arguments(rng, requested)
+        request = _request(rng, split, requested, arguments)
     others: list[Tool] = []
     count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
     while len(others) < count:
@@ -463,14 +511,15 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
     if kind == "no_tool":
         answer = rng.choice(split_items(DECLINE_TEMPLATES, split)).format(
             action=requested.action)
-        return UnseenToolCase(kind, request, tuple(others), requested, arguments, None, answer)
+        return UnseenToolCase(kind, request, tuple(others), requested, arguments, None, answer,
+                              lookup)
     offered = [requested, *others]
     rng.shuffle(offered)
     value = _result_value(rng)
     answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(
         tool=requested.name, field=requested.result_field, value=spoken(value))
     return UnseenToolCase(kind, request, tuple(offered), requested, arguments,
-                          {requested.result_field: value}, answer)
+                          {requested.result_field: value}, answer, lookup)
 
 
 def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
