@@ -13,7 +13,8 @@ from muse.eval.schema import schema_errors
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import arithmetic, instructions, tools
 from muse.train.data.conversations import (TASK_NAMES, TEXT_TASKS, answered_directly,
-                                           conversation_tasks, sample_conversation)
+                                           conversation_tasks, sample_conversation,
+                                           tool_conversation)
 from tests.train.helpers import NoiseSpeechPool
 from muse.train.data.split import HELD_OUT, TRAIN, is_held_out
 
@@ -211,3 +212,21 @@ def test_train_and_held_out_never_overlap() -> None:
             assert is_held_out(arithmetic.sample_problem(rng, split).key) == (split == HELD_OUT)
             assert is_held_out(tools.sample_case(rng, split).key) == (split == HELD_OUT)
             assert is_held_out(instructions.sample_case(rng, split).key) == (split == HELD_OUT)
+
+
+def test_training_renames_the_first_version_tools_arguments_in_schema_and_call() -> None:
+    rng = random.Random(41)
+    renamed = 0
+    for _ in range(300):
+        conversation = tool_conversation(rng, TRAIN)
+        calls = [m for m in conversation.messages if m.get("tool_calls")]
+        if not calls:
+            continue
+        function = calls[0]["tool_calls"][0]["function"]
+        schema = next(s for s in conversation.tools if s["function"]["name"] == function["name"])
+        assert schema_errors(function["arguments"], schema["function"]["parameters"]) == []
+        original = tools.TOOL_SCHEMAS[function["name"]]["function"]["parameters"]["properties"]
+        if set(function["arguments"]) - set(original):
+            renamed += 1
+            assert not set(schema["function"]["parameters"]["properties"]) & set(original)
+    assert 40 <= renamed <= 120, renamed  # RENAMED_SHARE of the ~255 calls

@@ -98,6 +98,8 @@ def tool_conversation(rng: random.Random, split: str) -> Conversation:
     if rng.random() < 0.85:
         case = tools.sample_case(rng, split)
         offered = tools.offered_tools(rng, case.name)
+        if split == TRAIN and rng.random() < tools.RENAMED_SHARE:
+            case, offered = tools.renamed_arguments(rng, case, offered)
         first = tools.exchange(case, offered)
     else:
         offered = tools.offered_tools(rng, None)

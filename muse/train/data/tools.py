@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from muse.train.data.split import draw_from_split
@@ -244,6 +244,43 @@ def offered_tools(rng: random.Random, needed: str | None) -> list[dict[str, Any]
         chosen.append(needed)
     rng.shuffle(chosen)
     return [TOOL_SCHEMAS[name] for name in chosen]
+
+
+# Other names users give the arguments of the first version's tools. In training
+# (`RENAMED_SHARE` of tool conversations) the needed tool's arguments take one of them in its
+# schema and in the call, so the model copies argument names from the schema it is given
+# rather than recalling `city` for every weather tool.
+ARGUMENT_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "city": ("location", "place", "town", "city_name"),
+    "unit": ("units", "scale", "temperature_unit"),
+    "a": ("x", "first", "left"), "b": ("y", "second", "right"),
+    "pattern": ("glob", "query", "name_pattern"), "directory": ("folder", "path", "dir"),
+    "amount": ("value", "quantity", "sum"),
+    "from_currency": ("source_currency", "base", "currency_from"),
+    "to_currency": ("target_currency", "quote", "currency_to"),
+    "timezone": ("tz", "zone", "time_zone"), "symbol": ("ticker", "stock", "code"),
+    "to": ("recipient", "address", "email"), "subject": ("title", "topic", "subject_line"),
+}
+RENAMED_SHARE = 0.3
+
+
+def renamed_arguments(rng: random.Random, case: ToolCase, offered: list[dict[str, Any]]
+                      ) -> tuple[ToolCase, list[dict[str, Any]]]:
+    """`case` and `offered` with every argument of the needed tool renamed to a synonym, in its
+    schema and in the call."""
+    names = {name: rng.choice(ARGUMENT_SYNONYMS[name])
+             for name in TOOL_SCHEMAS[case.name]["function"]["parameters"]["properties"]}
+    schemas = []
+    for schema in offered:
+        if schema["function"]["name"] == case.name:
+            parameters = schema["function"]["parameters"]
+            schema = function_schema(
+                case.name, schema["function"]["description"],
+                {names[key]: value for key, value in parameters["properties"].items()},
+                [names[key] for key in parameters["required"]])
+        schemas.append(schema)
+    arguments = {names[key]: value for key, value in case.arguments.items()}
+    return replace(case, arguments=arguments), schemas
 
 
 def quoted(name: str) -> str:
