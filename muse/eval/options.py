@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# `unseen_tools`, `sorting` and the media sections run only when asked for (`--sections
-# unseen_tools`, `--sections vision,video,audio`): not by default. `audio` needs espeak-ng.
-SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "sorting", "vision",
-            "video", "audio")
+# `unseen_tools`, `user_tools`, `sorting` and the media sections run only when asked for
+# (`--sections unseen_tools`, `--sections vision,video,audio`): not by default. `audio` needs
+# espeak-ng.
+SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "user_tools",
+            "sorting", "vision", "video", "audio")
 DEFAULT_SECTIONS = ("arithmetic", "tools", "instructions", "python")
 
 

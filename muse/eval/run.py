@@ -25,6 +25,7 @@ from muse.eval.sorting import SORT_ITEMS, evaluate_sorting
 from muse.eval.tools import evaluate_tools
 from muse.eval.unseen_tools import MEASURES as UNSEEN_TOOLS_MEASURES
 from muse.eval.unseen_tools import evaluate_unseen_tools
+from muse.eval.user_tools import evaluate_user_tools
 from muse.llm import LLM
 from muse.lora import LoRARequest
 from muse.lora.peft_adapter import config_max_rank
@@ -114,6 +115,9 @@ def score(llm: LLM | AdaptedLLM, settings: EvalSettings, progress: bool | None =
     if "unseen_tools" in settings.sections:
         sections["unseen_tools"] = evaluate_unseen_tools(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
+    if "user_tools" in settings.sections:
+        sections["user_tools"] = evaluate_user_tools(llm, settings.seed, settings.max_tokens,
+                                                     progress)
     for section in MEDIA_KEYS:
         if section in settings.sections:
             sections[section] = evaluate_media(llm, section, settings.num, settings.seed,
@@ -210,13 +214,15 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append(f"  {'':31s}" + "".join(
             _cell(report["sorting"].get(str(items))).rjust(16) for items in SORT_ITEMS))
         lines.append(f"  {'all':31s}" + _cell(report["sorting"]["overall"]).rjust(16))
-    if "unseen_tools" in report:
-        unseen = report["unseen_tools"]
-        lines.append(f"unseen tools ({unseen['count']} held-out cases)".ljust(33) + "".join(
-            measure.rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
-        for kind, cell in [*unseen["by_kind"].items(), ("all", unseen)]:
-            lines.append(f"  {kind} ({cell['count']})".ljust(33) + "".join(
-                f"{cell[measure]:.3f}".rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
+    for section, title in (("unseen_tools", "unseen tools ({} held-out cases)"),
+                           ("user_tools", "users' tools ({} hand-written cases)")):
+        if section in report:
+            cells = report[section]
+            lines.append(title.format(cells["count"]).ljust(33) + "".join(
+                measure.rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
+            for kind, cell in [*cells["by_kind"].items(), ("all", cells)]:
+                lines.append(f"  {kind} ({cell['count']})".ljust(33) + "".join(
+                    f"{cell[measure]:.3f}".rjust(16) for measure in UNSEEN_TOOLS_MEASURES))
     for section in MEDIA_KEYS:
         if section in report:
             lines.extend(_media_lines(section, report[section]))

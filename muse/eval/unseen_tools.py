@@ -112,8 +112,14 @@ def summarize(cases: list[UnseenToolCase], scores: list[dict[str, bool]]) -> dic
 
 def evaluate_unseen_tools(llm: LLM, num: int, seed: int, max_tokens: int,
                           progress: bool | None = None) -> SectionResult:
-    cases = held_out_cases(seed, num)
-    system_rng = random.Random(f"eval-unseen-tools/{seed}/system")
+    return evaluate_tool_cases(llm, held_out_cases(seed, num), f"eval-unseen-tools/{seed}",
+                               "unseen tools", max_tokens, progress)
+
+
+def evaluate_tool_cases(llm: LLM, cases: list[UnseenToolCase], seed: str, label: str,
+                        max_tokens: int, progress: bool | None = None) -> SectionResult:
+    """Each case's first reply, scored by `score_reply`; `seed` draws the system prompts."""
+    system_rng = random.Random(f"{seed}/system")
     prompts = []
     for case in cases:
         system = [{"role": "system", "content": system_rng.choice(SYSTEM_PROMPTS)}] \
@@ -121,7 +127,7 @@ def evaluate_unseen_tools(llm: LLM, num: int, seed: int, max_tokens: int,
         user = unseen_tools.exchange(case)[0]
         prompts.append(ChatPrompt(system + [user], unseen_tools.offered_schemas(case),
                                   reply_budget(llm, expected_reply(case), max_tokens)))
-    replies = generate_replies(llm, prompts, "unseen tools", progress)
+    replies = generate_replies(llm, prompts, label, progress)
     scores = [score_reply(reply, case) for case, reply in zip(cases, replies)]
     examples = []
     for kind in unseen_tools.KINDS:  # the first case of each kind, and the first miss
