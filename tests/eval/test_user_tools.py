@@ -13,7 +13,7 @@ from muse.eval.user_tools import CASES, TOOLS, user_tool_cases
 from muse.outputs import CompletionOutput
 from muse.presets import SHIPPED_CHECKPOINT
 from muse.tokenizer import MuseTokenizer
-from muse.train.data.tools import TOOL_SCHEMAS
+from muse.train.data.tools import ARGUMENT_SYNONYMS, TOOL_SCHEMAS
 from muse.train.data.unseen_tools import offered_schemas
 
 
@@ -52,6 +52,13 @@ def test_the_expected_call_scores_right_and_the_first_versions_argument_name_doe
     declined = [case for case in user_tool_cases() if case.tool is None][0]
     assert _score(declined, "I can't do that.") == dict.fromkeys(MEASURES, True)
     assert not _score(declined, f"<tool_call>{json.dumps(call)}</tool_call>")["right"]
+
+
+def test_training_never_gives_the_first_versions_tools_these_argument_names() -> None:
+    for name in ("get_weather", "get_stock_price"):
+        first = TOOL_SCHEMAS[name]["function"]["parameters"]["properties"]
+        trained = {*first, *(other for key in first for other in ARGUMENT_SYNONYMS[key])}
+        assert not {argument.name for argument in TOOLS[name].arguments} & trained
 
 
 def test_the_tools_are_named_once() -> None:

@@ -249,16 +249,17 @@ def offered_tools(rng: random.Random, needed: str | None) -> list[dict[str, Any]
 # Other names users give the arguments of the first version's tools. In training
 # (`RENAMED_SHARE` of tool conversations) the needed tool's arguments take one of them in its
 # schema and in the call, so the model copies argument names from the schema it is given
-# rather than recalling `city` for every weather tool.
+# rather than recalling `city` for every weather tool. (`location` and `ticker`, the names of
+# `muse eval`'s users' tools, are left out: that section must stay unseen.)
 ARGUMENT_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "city": ("location", "place", "town", "city_name"),
+    "city": ("place", "town", "city_name", "where"),
     "unit": ("units", "scale", "temperature_unit"),
     "a": ("x", "first", "left"), "b": ("y", "second", "right"),
     "pattern": ("glob", "query", "name_pattern"), "directory": ("folder", "path", "dir"),
     "amount": ("value", "quantity", "sum"),
     "from_currency": ("source_currency", "base", "currency_from"),
     "to_currency": ("target_currency", "quote", "currency_to"),
-    "timezone": ("tz", "zone", "time_zone"), "symbol": ("ticker", "stock", "code"),
+    "timezone": ("tz", "zone", "time_zone"), "symbol": ("stock", "code", "stock_symbol"),
     "to": ("recipient", "address", "email"), "subject": ("title", "topic", "subject_line"),
 }
 RENAMED_SHARE = 0.3
