@@ -252,7 +252,7 @@ def offered_tools(rng: random.Random, needed: str | None) -> list[dict[str, Any]
 # rather than recalling `city` for every weather tool. (`location` and `ticker`, the names of
 # `muse eval`'s users' tools, are left out: that section must stay unseen.)
 ARGUMENT_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "city": ("place", "town", "city_name", "where"),
+    "city": ("place", "town", "city_name", "locality"),
     "unit": ("units", "scale", "temperature_unit"),
     "a": ("x", "first", "left"), "b": ("y", "second", "right"),
     "pattern": ("glob", "query", "name_pattern"), "directory": ("folder", "path", "dir"),

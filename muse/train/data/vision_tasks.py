@@ -302,6 +302,9 @@ def label_map(scene: Scene) -> np.ndarray:
 # several squares. Held-out pictures keep the grid's sizes, so figures stay comparable.
 LARGE_SHAPE_SHARE = 0.3
 LARGE_SHAPE_MAX_RADIUS = 0.4
+# Share of training position questions about a lone shape asked without naming it ("Where is
+# the shape?"); every held-out one names its shape.
+LONE_POSITION_SHARE = 0.5
 
 
 def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bool,
@@ -350,8 +353,8 @@ def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -
     with_text = kind == "read" or rng.random() < 0.3
     scene = sample_scene(rng, split, shape_count, with_text)
     template = rng.choice(_phrasings("image", IMAGE_QUESTIONS[kind], kind, split))
-    if kind == "position" and shape_count == 1 and split == TRAIN and rng.random() < 0.5:
-        # "Where is the shape?": the only shape, not named.
+    if kind == "position" and shape_count == 1 and split == TRAIN \
+            and rng.random() < LONE_POSITION_SHARE:
         template = rng.choice(composed_questions(
             "image", "position_lone", split_items(IMAGE_QUESTIONS["position"], HELD_OUT)))
     target = rng.choice(scene.shapes)
