@@ -26,7 +26,8 @@ from torch import nn
 
 from muse.distributed.parallel_state import get_tp_group
 from muse.layers.lazy_slice import LazySlice, copy_into
-from muse.layers.quantization import QuantizationConfig, linear_method, set_weight_attrs
+from muse.layers.quantization import (QuantizationConfig, UnquantizedLinearMethod, linear_method,
+                                     set_weight_attrs)
 
 ShardId = int | str
 
@@ -101,6 +102,15 @@ class LinearBase(nn.Module):
         """The output plus the adapters' deltas of this step's tokens (a row-parallel layer's
         partial sums get their partial deltas, reduced with them)."""
         return self.lora.add(out, x) if self.lora is not None else out
+
+    def plain_weight(self) -> torch.Tensor | None:
+        """This rank's weight when the layer's output is x @ W^T and nothing else: unquantized,
+        no bias, no adapters, no gather or reduce after it. A caller that fuses work into the
+        product (`muse.kernels.norm_linear`) may then compute it itself; None otherwise."""
+        plain = (isinstance(self.quant_method, UnquantizedLinearMethod) and self.bias is None
+                 and self.lora is None and not isinstance(self, RowParallelLinear)
+                 and not (getattr(self, "gather_output", False) and self.tp_size > 1))
+        return self.weight if plain else None
 
     def _name(self, param: nn.Parameter) -> str:
         """The parameter's name for error messages (loaders get the object, not the name)."""

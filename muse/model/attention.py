@@ -95,9 +95,15 @@ class EngineAttention(nn.Module):
             amax = values.abs().amax().float()
             target.copy_(torch.where(amax > 0, amax / divisor, 1.0).expand_as(target))
 
+    def input_weight(self) -> torch.Tensor | None:
+        """The q/k/v projection's weight when it is a plain product (`plain_weight`)."""
+        return self.qkv_proj.plain_weight()
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+                meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                projected: torch.Tensor | None = None) -> torch.Tensor:
+        """`projected`: x @ input_weight()^T, when the caller computed it (with the norm)."""
+        q, k, v = self.qkv_proj.split(projected if projected is not None else self.qkv_proj(x))
         q_norm, k_norm = self.q_norm, self.k_norm
         q, k = self.backend.qk_norm_rope(
             q, k, q_norm.weight if q_norm is not None else None,

@@ -4,7 +4,9 @@ Built from `muse.layers`, which own how their parameters are sharded and loaded,
 kernels of the backends chosen at build time (`muse.kernels.backends`). Parameter names are
 the checkpoint's, except where projections are fused (`qkv_proj`, `gate_up_proj`); the loader
 (`muse.model.loader`) routes checkpoint tensors to them. The residual stream is carried beside
-the layer output, so each norm also does the residual add before it in one kernel. The
+the layer output, so each norm also does the residual add before it in one kernel; in a
+one-row step (batch-1 decode) the norm also hands its row to the product after it in one call
+(`norm_linear`: a single kernel on a GPU with `MUSE_NORM_GEMV=1`). The
 reference decoder (`muse.reference`) computes the same function and is the tests' oracle.
 """
 
@@ -21,6 +23,7 @@ from muse.config import LAYER_TYPES, TextConfig
 from muse.distributed.parallel_state import get_pcp_group, get_pp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import ModelBackends
+from muse.kernels.norm_linear import norm_linear
 from muse.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from muse.layers.norm import RMSNorm
 from muse.layers.quantization import QuantizationConfig
@@ -67,18 +70,30 @@ class EngineDecoderLayer(nn.Module):
         """(mlp output, residual): their sum is the reference layer's output.
 
         `residual` is None for the first layer, whose input is the whole residual stream."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual, h = x, self.norms.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = self.norms.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h, residual, qkv = self._norm(x, residual, self.input_layernorm, self.self_attn)
         cos, sin = rotary[self.layer_type]
-        h = self.self_attn(h, cos, sin, meta=meta, kv_cache=kv_cache)
-        norm = self.post_attention_layernorm
-        h, residual = self.norms.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, meta=meta, kv_cache=kv_cache, projected=qkv)
+        h, residual, projected = self._norm(h, residual, self.post_attention_layernorm,
+                                            self.mlp)
         if self.is_moe:
-            return self.mlp(h, meta.dp_num_tokens), residual
-        return self.mlp(h), residual
+            return self.mlp(h, meta.dp_num_tokens, projected=projected), residual
+        return self.mlp(h, projected=projected), residual
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+              block: EngineAttention | EngineMoE | EngineMLP
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(normed, residual, the block's input product or None). For a one-row step whose
+        block reads its input through plain products, the product is computed with the norm
+        (`norm_linear`: one kernel on a GPU with `MUSE_NORM_GEMV=1`)."""
+        weight = block.input_weight() if x.shape[0] == 1 else None
+        if weight is not None:
+            projected, h, residual = norm_linear(x, residual, norm.weight, norm.eps, weight,
+                                                 self.norms.rms_norm, self.norms.add_rms_norm)
+            return h, residual, projected
+        if residual is None:
+            return self.norms.rms_norm(x, norm.weight, norm.eps), x, None
+        h, residual = self.norms.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return h, residual, None
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
