@@ -25,6 +25,8 @@
 # (`muse train encoders`, on labels the generated media carry), from INIT_FROM, and the
 # decoder stage then starts from its output and reuses its speech pool.
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
+# COMPILE=1 compiles the decoder layers (`--compile`: a minute or two of compiling, then
+# fewer, fused kernels a step).
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
 # only stops and saves this part, and RESUME=1 continues from $WORK's training state in the
 # next command (the machine must still hold $WORK: call again while it is warm; EXPORT=0
@@ -86,6 +88,7 @@ if [ -n "${SPEECH_POOL:-}" ]; then TRAIN+=(--speech-pool "$SPEECH_POOL"); fi
 if [ -n "${STEPS:-}" ]; then TRAIN+=(--schedule-steps "$STEPS"); fi
 if [ -n "${TASK_WEIGHTS:-}" ]; then TRAIN+=(--task-weights "$TASK_WEIGHTS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
+if [ -n "${COMPILE:-}" ]; then TRAIN+=(--compile); fi
 echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 

@@ -46,6 +46,9 @@ class PretrainArgs:
     # Spoken clips for a model with an audio encoder: a saved pool, or this many synthesized.
     speech_pool: str | None = None
     speech_clips: int = 6000
+    # torch.compile each decoder layer (the encoders, whose shapes change with every batch's
+    # media, stay eager).
+    compile: bool = False
 
     def validate(self) -> None:
         validate_common(self)
@@ -189,3 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_speech_arguments(parser, defaults)
     parser.add_argument("--save-every-minutes", type=float, default=defaults.save_every_minutes,
                         help="minutes between saves of the checkpoint and training state")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer: its norms, rotary, attention "
+                             "masks and experts' elementwise work fused into few kernels (a "
+                             "minute or two of compiling first; the encoders stay eager) "
+                             "(default: off)")

@@ -96,6 +96,16 @@ def build_model(config: MuseSparkConfig, seed: int) -> MuseForCausalLM:
     return model
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """torch.compile every decoder layer in place (parameter names unchanged). A layer sees
+    the same shapes every step ([rows, seq_len, hidden]), so each compiles once per attention
+    kind; the step's many small kernels (norms, rotary, masks, softmax, SwiGLU, the experts'
+    sums) become a few fused ones, forward and backward. The router's forward hooks (the
+    load-balancing loss) are traced with it."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
 def load_initial_weights(model: MuseForCausalLM, directory: str) -> None:
     """`--init-from`: every tensor of the checkpoint; a text-only checkpoint may leave the
     encoders at their initial values (a new modality joining a trained decoder)."""
@@ -423,6 +433,8 @@ def train(args: PretrainArgs) -> Path:
         load_initial_weights(model, args.init_from)
         logger.info("initial weights from %s", args.init_from)
     model = model.to(run.device).train()
+    if args.compile:
+        compile_decoder_layers(model)
     optimizer = build_optimizer(model, args, run.device)
     if run.state is not None:
         optimizer.load_state_dict(run.state["optimizer"])

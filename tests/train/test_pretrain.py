@@ -229,3 +229,17 @@ def test_encoders_learn_at_their_own_rate() -> None:
         assert scale_of[id(param)] == (3.0 if name.startswith(("vision_tower.", "audio_tower."))
                                        else 1.0), name
     assert len(scale_of) == len(list(model.parameters()))
+
+
+def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path) -> None:
+    """`--compile` gives the eager run's losses (float32 on the CPU: the fused kernels sum in
+    other orders, so within float noise, not bit for bit), and its checkpoint keeps the
+    parameter names (it loads into the reference model)."""
+    pytest.importorskip("torch._inductor")
+    _train(tmp_path / "eager", "--steps", "2")
+    _train(tmp_path / "compiled", "--steps", "2", "--compile")
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "train_log.jsonl")
+               .read_text().splitlines()] for name in ("eager", "compiled")]
+    assert len(losses[0]) == 2
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    load_reference_model(tmp_path / "compiled")
