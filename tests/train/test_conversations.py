@@ -170,6 +170,29 @@ def test_offered_tools_include_the_needed_one() -> None:
         assert name in offered and 1 <= len(offered) <= 4 and len(set(offered)) == len(offered)
 
 
+def test_a_request_whose_tool_is_not_offered_is_declined_after_reading_the_list() -> None:
+    """`MISSING_SHARE` of tool conversations ask for a first-version tool (never the
+    calculator) that is not offered: no call, the reasoning lists the offered tools as a call's
+    does and then names the missing action, the reply declines it."""
+    rng = random.Random(43)
+    declined = 0
+    for _ in range(400):
+        conversation = tool_conversation(rng, TRAIN)
+        first = next(m for m in conversation.messages if m["role"] == "assistant")
+        offered = [schema["function"]["name"] for schema in conversation.tools]
+        reasoning = first.get("reasoning_content", "")
+        missing = next((name for name, action in tools.ACTIONS.items()
+                        if reasoning.endswith((f" can {action}.", f" cannot {action}."))),
+                       None)
+        if first.get("tool_calls") or missing is None:
+            continue  # a call, or a direct answer to a request that needs no tool
+        declined += 1
+        assert missing not in offered and missing != "add_numbers"
+        assert reasoning.startswith(tools.offered_names(offered))
+        assert tools.ACTIONS[missing] in first["content"]
+    assert 25 <= declined <= 60, declined  # MISSING_SHARE of 400
+
+
 def test_instruction_answers_are_right() -> None:
     rng = random.Random(6)
     for _ in range(200):

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from muse.train.data import arithmetic, instructions, tools, unseen_tools, vision_tasks
-from muse.train.data.split import TRAIN
+from muse.train.data.split import TRAIN, split_items
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assistant. Be brief.",
                   "Answer the user's question.", "You are a careful assistant that shows its work."]
@@ -93,9 +93,18 @@ def instruction_conversation(rng: random.Random, split: str) -> Conversation:
 
 def tool_conversation(rng: random.Random, split: str) -> Conversation:
     """Tools offered in the system turn; usually the request needs one of them, sometimes it
-    needs none and the assistant answers directly (an offered calculator is always used for
-    additions, so tool-free turns then avoid addition)."""
-    if rng.random() < 0.85:
+    needs one that is not offered (the assistant declines) or none and the assistant answers
+    directly (an offered calculator is always used for additions, so tool-free turns then
+    avoid addition)."""
+    draw = rng.random()
+    if draw < tools.MISSING_SHARE:
+        case = tools.sample_case(rng, split, rng.choice(sorted(tools.ACTIONS)))
+        offered = tools.offered_tools(rng, None, missing=case.name)
+        answer = rng.choice(split_items(unseen_tools.DECLINE_TEMPLATES, split)).format(
+            action=tools.ACTIONS[case.name])
+        first = [{"role": "user", "content": case.request},
+                 tools.declining_message(case, offered, answer)]
+    elif draw < 0.85:
         case = tools.sample_case(rng, split)
         offered = tools.offered_tools(rng, case.name)
         if split == TRAIN and rng.random() < tools.RENAMED_SHARE:

@@ -236,14 +236,39 @@ def sample_case(rng: random.Random, split: str, name: str | None = None) -> Tool
     return draw_from_split(lambda: maker(rng), lambda case: case.key, split)
 
 
-def offered_tools(rng: random.Random, needed: str | None) -> list[dict[str, Any]]:
-    """One to four tool schemas in random order, `needed` among them when given."""
-    others = [name for name in sorted(TOOL_SCHEMAS) if name != needed]
+def offered_tools(rng: random.Random, needed: str | None, missing: str | None = None
+                  ) -> list[dict[str, Any]]:
+    """One to four tool schemas in random order, `needed` among them when given, never
+    `missing` (a tool the request needs that is not offered)."""
+    others = [name for name in sorted(TOOL_SCHEMAS) if name not in (needed, missing)]
     chosen = rng.sample(others, rng.randint(0 if needed else 1, 3))
     if needed:
         chosen.append(needed)
     rng.shuffle(chosen)
     return [TOOL_SCHEMAS[name] for name in chosen]
+
+
+# What each tool does, as a reply that declines names it. In training (`MISSING_SHARE` of
+# tool conversations) a request needs a tool that is not offered: the reasoning lists the
+# offered tools as before a call and finds none that does it, so whether to call is decided
+# by reading the list, not by recognising a familiar request. (Not the calculator: without
+# it the model adds by itself, as the arithmetic conversations teach.)
+ACTIONS: dict[str, str] = {
+    "get_weather": "get the weather", "search_files": "search for files", "convert_currency": "convert currencies",
+    "get_time": "tell the time", "get_stock_price": "look up a stock price",
+    "send_email": "send an email",
+}
+MISSING_SHARE = 0.1
+
+
+def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer: str
+                      ) -> dict[str, Any]:
+    """The assistant turn for a request whose tool (`case.name`) is not among `offered`."""
+    names = [schema["function"]["name"] for schema in offered]
+    action = ACTIONS[case.name]
+    verdict = f"It cannot {action}." if len(names) == 1 else f"None of them can {action}."
+    return {"role": "assistant", "reasoning_content": f"{offered_names(names)} {verdict}",
+            "content": answer}
 
 
 # Other names users give the arguments of the first version's tools. In training
