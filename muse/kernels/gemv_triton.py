@@ -75,6 +75,17 @@ def gemv_outputs(x: torch.Tensor, out_features: int, in_features: int, tiles: Ge
     return y, partials, counters, steps
 
 
+def gemv_launch(tiles: GemvTiles, out_features: int, steps: int, device: torch.device
+                ) -> tuple[tuple[int, int], dict[str, int | bool]]:
+    """The grid of a one-row GEMV kernel (output tiles x K splits) and the tile and launch
+    arguments every such kernel takes, for `steps` BLOCK_K steps of K."""
+    grid = (triton.cdiv(out_features, tiles.block_n), tiles.split_k)
+    return grid, dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                      K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k,
+                      SPLIT=tiles.split_k, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages, **pdl_options(device))
+
+
 # Arrival counters of split GEMVs, per device: zero between calls (each call's last program
 # of a tile sets its counter back), so one buffer serves every call on a stream in turn. A
 # buffer outgrown is kept: CUDA graphs captured with it still point at it.
@@ -198,12 +209,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError("dense_gemv needs the weight's rows contiguous")
     tiles = tiles or choose_dense_gemv_tiles(out_features, in_features)
     y, partials, counters, steps = gemv_outputs(x, out_features, in_features, tiles)
-    _dense_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), tiles.split_k)](
+    grid, launch = gemv_launch(tiles, out_features, steps, x.device)
+    _dense_gemv_kernel[grid](
         x, weight, bias if bias is not None else y, y, partials, counters,
         out_features, x.stride(0), weight.stride(0), y.stride(0),
-        K=in_features, HAS_BIAS=bias is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
+        K=in_features, HAS_BIAS=bias is not None, **launch,
     )
     return y

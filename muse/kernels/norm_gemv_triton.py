@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.gemv_triton import (choose_dense_gemv_tiles, gemv_outputs, GemvTiles,
-                                      store_gemv_output)
-from muse.kernels.pdl import pdl_options, start_dependent_kernel
+from muse.kernels.gemv_triton import (GemvTiles, choose_dense_gemv_tiles, gemv_launch,
+                                      gemv_outputs, store_gemv_output)
+from muse.kernels.pdl import start_dependent_kernel
 
 
 @triton.jit
@@ -128,12 +128,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     y, partials, counters, steps = gemv_outputs(x, out_features, in_features, tiles)
     h = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
-    _norm_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), tiles.split_k)](
+    grid, launch = gemv_launch(tiles, out_features, steps, x.device)
+    _norm_gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight, weight, y, h, summed,
         partials, counters, out_features, weight.stride(0), eps,
-        K=in_features, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
+        K=in_features, HAS_RESIDUAL=residual is not None, **launch,
     )
     return y, h, summed

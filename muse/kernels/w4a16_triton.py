@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from muse.kernels.gemv_triton import (GemvTiles, check_split, gemv_outputs, split_for,
-                                      store_gemv_output)
-from muse.kernels.pdl import pdl_options, start_dependent_kernel
+from muse.kernels.gemv_triton import (GemvTiles, check_split, gemv_launch, gemv_outputs,
+                                      split_for, store_gemv_output)
+from muse.kernels.pdl import start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 
 # Triton's interpreter multiplies bfloat16 tiles as raw uint16 words; under it the dot operands
@@ -299,15 +299,13 @@ def w4a16_gemv(x: torch.Tensor, weight: Fp4Weight, bias: torch.Tensor | None = N
     has_row_factor = row_factor is not None
     if row_factor is None:
         row_factor = scales  # any pointer; never read
-    _w4a16_gemv_kernel[(triton.cdiv(out_features, tiles.block_n), tiles.split_k)](
+    grid, launch = gemv_launch(tiles, out_features, steps, x.device)
+    _w4a16_gemv_kernel[grid](
         x, weight.packed, scales, row_factor, bias if bias is not None else y, y, partials,
         counters, out_features, x.stride(0), weight.packed.stride(0), weight.packed.stride(1),
         scales.stride(0), scales.stride(1), row_factor.stride(0), y.stride(0),
         K=in_features, SCALE_BLOCK=weight.block, SCALE_E8M0=weight.scale_is_e8m0,
-        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=bias is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_PER_PROGRAM=triton.cdiv(steps, tiles.split_k) * tiles.block_k, SPLIT=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
+        HAS_ROW_FACTOR=has_row_factor, HAS_BIAS=bias is not None, **launch,
     )
     return y
 

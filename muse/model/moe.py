@@ -158,5 +158,4 @@ class EngineMoE(nn.Module):
             logits = parts.pop(0)
             latent = parts.pop(0) if self.pooler is not None else x
             return logits, latent, parts.pop(0) if parts else None
-        return (self.gate(x), self.pooler(x) if self.pooler is not None else x,
-                None)
+        return self.gate(x), self.pooler(x) if self.pooler is not None else x, None
