@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -235,7 +236,8 @@ def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path) -> None:
     """`--compile` gives the eager run's losses (float32 on the CPU: the fused kernels sum in
     other orders, so within float noise, not bit for bit), and its checkpoint keeps the
     parameter names (it loads into the reference model)."""
-    pytest.importorskip("torch._inductor")
+    if not any(shutil.which(compiler) for compiler in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile on a CPU builds C++ kernels: no C++ compiler here")
     _train(tmp_path / "eager", "--steps", "2")
     _train(tmp_path / "compiled", "--steps", "2", "--compile")
     losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "train_log.jsonl")
