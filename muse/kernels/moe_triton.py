@@ -36,6 +36,7 @@ import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
+from muse.kernels.moe_persistent_triton import persistent_experts, takes_persistent_experts
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
@@ -483,6 +484,9 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if one_pair_per_block is None:
         one_pair_per_block = use_one_pair_per_block(
             num_pairs, num_experts, _stored_bytes(gate_up) + _stored_bytes(down))
+        if one_pair_per_block and tiles is None and takes_persistent_experts(
+                x, gate_up, down, num_pairs, reduce_pairs):
+            return persistent_experts(x, weights, expert_ids, gate_up, down, norm_weight, eps)
 
     # The kernels index expert_ids and weights as flat [T*k] arrays. route's outputs already
     # are contiguous, weights float32: then nothing is copied (no torch op runs at all).
