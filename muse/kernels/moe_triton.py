@@ -14,7 +14,8 @@ Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
   Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
   call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
   instead of those three after a dozen tiny torch ops, which is what a decode step's time is
-  made of.
+  made of. With `MUSE_MOE_PERSISTENT=1` dense weights take one persistent launch instead
+  (`muse.kernels.moe_persistent_triton`).
 
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
