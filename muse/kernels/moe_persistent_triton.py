@@ -4,7 +4,8 @@ per-expert norm and the combine.
 A batch-1 decode step runs the experts as three kernels a layer (`moe_triton.fused_experts`
 with one pair per block), and each boundary costs the GPU a drain and a ramp-up: GEMM 2 waits
 for the last GEMM 1 tile of every pair, the combine for the last GEMM 2 tile. Here a grid of
-at most one program per SM takes work items from a shared counter, in order:
+at most one program per SM works through a list of items, program p taking items p, p + P,
+p + 2P, ... in order:
 
 1. (pair, tile of I): h[pair, tile] = silu(x . gate_e) * (x . up_e), then the pair's
    counter is incremented;
@@ -14,11 +15,13 @@ at most one program per SM takes work items from a shared counter, in order:
    sum_j weight_j * rms_norm(y[pair_j]) * norm_e (float32), in x's dtype.
 
 So a pair's GEMM 2 starts as soon as its own h is complete, while other pairs' GEMM 1 tiles
-still stream. Items are claimed in order and an item waits only for items claimed before it,
-which are held by running programs that never wait on later ones: no deadlock, however many
-programs are resident (under Triton's interpreter, which runs programs one after another, the
-first program does every item). The last program to leave sets every counter back to zero
-for the next launch (and for graph replays).
+still stream. An item waits only for lower items, and a program waiting at a GEMM 2 item has
+done all its GEMM 1 items, so the programs it waits for are at GEMM 1 items, which never
+wait (likewise for the combine): no deadlock once every program is resident, which a grid of
+at most one program per SM is (with PDL the next kernel is launched only after each of these
+programs has started). Under Triton's interpreter, which runs programs one after another,
+the grid is one program. The last program to leave sets every counter back to zero for the
+next launch (and for graph replays).
 
 Each pair is one row, so both GEMMs are one-row products with float32 sums (no `tl.dot`:
 the decode path's 16-row tiles use one row of sixteen). Dense 16-bit or float32 weights only;
@@ -142,18 +145,17 @@ def _persistent_experts_kernel(
     BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr, MAX_PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """counters: [work claimed, programs left, MAX_PAIRS pairs' GEMM 1 tiles done,
-    MAX_PAIRS tokens' GEMM 2 tiles done], all zero between launches. TILES1 / TILES2: the
-    BLOCK_N1 tiles of I and BLOCK_N2 tiles of L."""
+    """counters: [programs left, MAX_PAIRS pairs' GEMM 1 tiles done, MAX_PAIRS tokens'
+    GEMM 2 tiles done], all zero between launches. TILES1 / TILES2: the BLOCK_N1 tiles of I
+    and BLOCK_N2 tiles of L."""
     start_dependent_kernel(PDL)
-    pair_done_ptr = counters_ptr + 2
+    pair_done_ptr = counters_ptr + 1
     token_done_ptr = pair_done_ptr + MAX_PAIRS
     num_pairs = num_tokens * TOP_K
     first2 = num_pairs * TILES1
     first3 = first2 + num_pairs * TILES2
     total = first3 + num_tokens
-    item = tl.atomic_add(counters_ptr, 1)
-    while item < total:
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
         if item < first2:
             _gemm1_item(item, x_ptr, gate_up_ptr, ids_ptr, h_ptr, pair_done_ptr,
                         stride_xt, stride_ge, stride_gn, stride_hm, TOP_K,
@@ -166,16 +168,13 @@ def _persistent_experts_kernel(
             _combine_item(item - first3, y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
                           token_done_ptr, eps, stride_ym, stride_ne, stride_ot,
                           LATENT, TOP_K, TILES2, BLOCK_L, HAS_NORM)
-        item = tl.atomic_add(counters_ptr, 1)
-    # Every program claims once more after its last item; the last to leave resets the
-    # counters (no program reads them after leaving).
-    left = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel")
+    # The last program to leave resets the counters (no program reads them after leaving).
+    left = tl.atomic_add(counters_ptr, 1, sem="acq_rel")
     if left == tl.num_programs(0) - 1:
         offs = tl.arange(0, MAX_PAIRS)
         tl.store(pair_done_ptr + offs, tl.zeros((MAX_PAIRS,), dtype=tl.int32))
         tl.store(token_done_ptr + offs, tl.zeros((MAX_PAIRS,), dtype=tl.int32))
         tl.atomic_xchg(counters_ptr, 0)
-        tl.atomic_xchg(counters_ptr + 1, 0)
 
 
 # Counters per device, zero between launches; one buffer serves every launch on a stream in
@@ -185,15 +184,16 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _counters(device: torch.device) -> torch.Tensor:
     if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(2 + 2 * MAX_PAIRS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(1 + 2 * MAX_PAIRS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
 def _programs(device: torch.device, items: int) -> int:
-    """One program per SM at most (each loops over items); under the interpreter a few."""
+    """One program per SM at most, each looping over its items; under the interpreter, which
+    runs programs one after another, one (a second would wait for the first's later items)."""
     if device.type == "cuda":
         return min(items, torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(items, 4)
+    return 1
 
 
 def takes_persistent_experts(x: torch.Tensor, gate_up: object, down: object,
