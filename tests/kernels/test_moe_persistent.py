@@ -12,9 +12,8 @@ pytest.importorskip("triton")
 
 from muse.kernels import moe_persistent_triton as persistent  # noqa: E402
 from muse.kernels.moe import fused_experts_torch, fused_experts_triton  # noqa: E402
-from muse.reference.layers import route  # noqa: E402
-from tests.kernels.graph_capture import capture  # noqa: E402
-from tests.kernels.test_moe import assert_close, make_moe, make_tokens, run_fused  # noqa: E402
+from tests.kernels.test_moe import (assert_close, assert_graph_follows_routing,  # noqa: E402
+                                    make_moe, make_tokens, run_fused)
 
 
 def _run(moe, x):
@@ -89,26 +88,6 @@ def test_graph_replays_with_new_routing_on_many_programs() -> None:
     """Compiled, one program per SM, every wait real: a captured launch replayed with new
     routing each time (the counters it leaves at zero are the next replay's start)."""
     moe = make_moe(8, 4, latent=64, inter=96, norm=True, dtype=torch.bfloat16)
-    experts = moe.experts
-    x = make_tokens(moe, 3, chosen=None)
-    static = {"x": moe.pooler(x).detach().clone()}
-    static["weights"], static["ids"] = route(moe.gate(x), moe.config)
-
-    def step() -> torch.Tensor:
-        return persistent.persistent_experts(static["x"], static["weights"], static["ids"],
-                                             experts.gate_up_proj, experts.down_proj,
-                                             experts.norm_weight, experts.eps)
-
-    with torch.no_grad():
-        graph, out = capture(step)
-        for seed, chosen in ((7, None), (8, [2]), (9, [0, 5]), (10, None)):
-            x = make_tokens(moe, 3, chosen=chosen, seed=seed)
-            weights, ids = route(moe.gate(x), moe.config)
-            static["x"].copy_(moe.pooler(x))
-            static["weights"].copy_(weights)
-            static["ids"].copy_(ids)
-            graph.replay()
-            expected = fused_experts_torch(static["x"], weights, ids, experts.gate_up_proj,
-                                           experts.down_proj, experts.norm_weight, experts.eps)
-            assert_close(out, expected, torch.bfloat16)
-        assert not persistent._counters(x.device).any()
+    assert_graph_follows_routing(persistent.persistent_experts, moe, num_tokens=3,
+                                 seeds=(7, 8, 9, 10))
+    assert not persistent._counters(moe.gate.weight.device).any()
