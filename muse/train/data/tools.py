@@ -254,9 +254,9 @@ def offered_tools(rng: random.Random, needed: str | None, missing: str | None = 
 # by reading the list, not by recognising a familiar request. (Not the calculator: without
 # it the model adds by itself, as the arithmetic conversations teach.)
 ACTIONS: dict[str, str] = {
-    "get_weather": "get the weather", "search_files": "search for files", "convert_currency": "convert currencies",
-    "get_time": "tell the time", "get_stock_price": "look up a stock price",
-    "send_email": "send an email",
+    "get_weather": "get the weather", "search_files": "search for files",
+    "convert_currency": "convert currencies", "get_time": "tell the time",
+    "get_stock_price": "look up a stock price", "send_email": "send an email",
 }
 MISSING_SHARE = 0.1
 
@@ -265,10 +265,14 @@ def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer:
                       ) -> dict[str, Any]:
     """The assistant turn for a request whose tool (`case.name`) is not among `offered`."""
     names = [schema["function"]["name"] for schema in offered]
-    action = ACTIONS[case.name]
-    verdict = f"It cannot {action}." if len(names) == 1 else f"None of them can {action}."
-    return {"role": "assistant", "reasoning_content": f"{offered_names(names)} {verdict}",
-            "content": answer}
+    reasoning = f"{offered_names(names)} {none_can(len(names), ACTIONS[case.name])}"
+    return {"role": "assistant", "reasoning_content": reasoning, "content": answer}
+
+
+def none_can(offered: int, action: str) -> str:
+    """The reasoning's verdict when none of the `offered` tools does `action` (the same words
+    for first-version and made-up tools)."""
+    return f"It cannot {action}." if offered == 1 else f"None of them can {action}."
 
 
 # Other names users give the arguments of the first version's tools. In training

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import function_schema, offered_names, quoted
+from muse.train.data.tools import function_schema, none_can, offered_names, quoted
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up words, or as common words, rather than from the word lists.
@@ -539,9 +539,7 @@ def reasoning(case: UnseenToolCase) -> str:
     offered = f"The user asks to {action}. {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
-    if len(case.offered) == 1:
-        return f"{offered} It cannot {action}."
-    return f"{offered} None of them can {action}."
+    return f"{offered} {none_can(len(case.offered), action)}"
 
 
 def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
