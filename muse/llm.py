@@ -14,6 +14,7 @@ from muse.engine.args import EngineArgs
 from muse.engine.data_parallel import make_engine
 from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
+from muse.engine.structured_output import strict_tool_calls, without_strict
 from muse.lora.request import LoRARequest
 from muse.multimodal.media import (AUDIO_PART_TYPES, IMAGE_PART_TYPES, VIDEO_PART_TYPES,
                                    MediaError, MediaLimits, load_part)
@@ -265,9 +266,21 @@ class LLM:
         or a `media.Video`), `{"type": "audio", "audio": ...}` (a float waveform at 24 kHz
         or a `media.Audio`). They go to the engine as `multi_modal_data`; a part that cannot
         be used raises a `MediaError` (a ValueError) naming it.
+
+        `tools` are OpenAI tool entries, offered as under `tool_choice` "auto"; when a
+        function says `"strict": true`, every call the reply writes is checked as it is
+        written (an offered name, and the strict functions' schemas), as in the server, unless
+        `sampling_params` brings its own `structured_output`.
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        constraint = strict_tool_calls(tools, parallel=True)
+        if constraint is not None:
+            params = sampling_params or SamplingParams()
+            if params.structured_output is None:
+                sampling_params = dataclasses.replace(
+                    params, structured_output=constraint.after_reasoning())
+        tools = without_strict(tools)
         template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         limits = media_limits or MediaLimits()

@@ -13,10 +13,12 @@ from typing import Any
 import torch
 
 from muse.engine.grammar_matcher import RequestGrammar
+from muse.chat_format import TOOL_CALL_END_TOKEN, TOOL_CALL_START_TOKEN
 from muse.engine.structured_output import (
     MAX_FORCED_TOOL_CALLS,
     StructuredOutput,
     StructuredOutputError,
+    is_strict,
 )
 
 # xgrammar prefixes its messages with a time and its C++ source location, e.g.
@@ -38,6 +40,27 @@ def _tool_call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
         "additionalProperties": False,
     } for f in functions]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _triggered_tool_calls(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """xgrammar's structural tag for calls inside free text: `<tool_call>` opens a call whose
+    name must be an offered function's and whose arguments must fit its schema when it is
+    strict (any object otherwise); the call's end frees the text again."""
+    def arguments(function: dict[str, Any]) -> dict[str, Any]:
+        if is_strict(function):
+            return function.get("parameters") or {"type": "object", "properties": {}}
+        return {"type": "object", "additionalProperties": True}
+
+    tags = [{"type": "tag",
+             "begin": f'{TOOL_CALL_START_TOKEN}{{"name": {json.dumps(f["name"])}, "arguments": ',
+             # One space at most between JSON tokens: the chat format writes ", " and ": ",
+             # and unbounded whitespace would let a weak model loop on it.
+             "content": {"type": "json_schema", "json_schema": arguments(f),
+                         "max_whitespace_cnt": 1},
+             "end": f"}}{TOOL_CALL_END_TOKEN}"} for f in functions]
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_START_TOKEN],
+                       "tags": tags, "stop_after_first": not parallel}}
 
 
 def clean_error_message(error: BaseException) -> str:
@@ -82,6 +105,9 @@ class GrammarCompiler:
             if spec.kind == "json_schema":
                 return self.compiler.compile_json_schema(spec.schema, any_whitespace=False)
             functions = [json.loads(t) for t in spec.tools]
+            if not spec.forced:
+                return self.compiler.compile_structural_tag(
+                    json.dumps(_triggered_tool_calls(functions, spec.parallel)))
             call = xgr.Grammar.from_json_schema(json.dumps(_tool_call_schema(functions)),
                                                 any_whitespace=False)
             tagged = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>"'), call,

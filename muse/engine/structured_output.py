@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Literal
 
+from muse.chat_format import THINK_END_ID, THINK_START_ID
 from muse.engine.errors import InvalidRequestError
 
 # With parallel tool calls a forced reply may hold this many calls.
@@ -43,9 +44,14 @@ class StructuredOutputError(InvalidRequestError):
 class StructuredOutput:
     """What the output must match.
 
-    kind "json": any JSON object; "json_schema": `schema`; "tool_calls": one tool call (or up
-    to MAX_FORCED_TOOL_CALLS when `parallel`) to one of `tools` (OpenAI function definitions),
-    in the chat format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+    kind "json": any JSON object; "json_schema": `schema`; "tool_calls": calls to `tools`
+    (OpenAI function definitions) in the chat format `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`. When `forced`, the reply is one call (or up to MAX_FORCED_TOOL_CALLS
+    when `parallel`) and nothing else (`tool_choice` "required" or named). Otherwise (strict
+    functions under `tool_choice` "auto") the reply is free text until it opens a call with
+    `<tool_call>`; the call must then name an offered function and give arguments that fit
+    the schema of a function marked `"strict": true` (any JSON object for the others), and
+    the text after it is free again; without `parallel` the first call ends the reply.
 
     `reasoning_start_token_id` / `reasoning_end_token_id`: a reply that opens with the start
     token holds a reasoning block, which the end token closes; the constraint applies from the
@@ -57,6 +63,7 @@ class StructuredOutput:
     schema: str | None = None  # JSON text, so the spec stays hashable for the compile cache
     tools: tuple[str, ...] = field(default_factory=tuple)  # JSON text of each function
     parallel: bool = False
+    forced: bool = True
     reasoning_start_token_id: int | None = None
     reasoning_end_token_id: int | None = None
 
@@ -71,6 +78,12 @@ class StructuredOutput:
         return dataclasses.replace(self, reasoning_start_token_id=None,
                                    reasoning_end_token_id=None)
 
+    def after_reasoning(self) -> StructuredOutput:
+        """This constraint, applied after the reply's `<think>` block (vLLM's behaviour with a
+        reasoning parser)."""
+        return dataclasses.replace(self, reasoning_start_token_id=THINK_START_ID,
+                                   reasoning_end_token_id=THINK_END_ID)
+
     def check(self, max_bytes: int) -> None:
         """Size and depth limits, from the JSON text alone (no parsing, no recursion)."""
         texts = [self.schema] if self.schema is not None else list(self.tools)
@@ -82,18 +95,47 @@ class StructuredOutput:
     def for_schema(schema: dict[str, Any], max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
                    ) -> StructuredOutput:
         _check_depth(nesting_depth(schema, MAX_SCHEMA_DEPTH), "response_format")
-        text = json.dumps(bounded_strings_as_patterns(schema), sort_keys=True)
+        # Keys keep the request's order: a schema's properties are written in their declared
+        # order (as OpenAI's structured outputs do), so sorting them would change the output.
+        text = json.dumps(bounded_strings_as_patterns(schema))
         _check_size(len(text.encode()), max_bytes, "response_format")
         return StructuredOutput("json_schema", schema=text)
 
     @staticmethod
     def for_tools(functions: list[dict[str, Any]], parallel: bool,
-                  max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> StructuredOutput:
+                  max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, forced: bool = True
+                  ) -> StructuredOutput:
         for function in functions:
             _check_depth(nesting_depth(function, MAX_SCHEMA_DEPTH), "tools")
-        texts = tuple(json.dumps(f, sort_keys=True) for f in functions)
+        texts = tuple(json.dumps(f) for f in functions)  # in order, as a schema's above
         _check_size(sum(len(t.encode()) for t in texts), max_bytes, "tools")
-        return StructuredOutput("tool_calls", tools=texts, parallel=parallel)
+        return StructuredOutput("tool_calls", tools=texts, parallel=parallel, forced=forced)
+
+
+def is_strict(function: dict[str, Any]) -> bool:
+    """Whether an OpenAI function definition asks for schema-following arguments."""
+    return function.get("strict") is True
+
+
+def strict_tool_calls(tools: list[dict[str, Any]] | None, parallel: bool,
+                      max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> StructuredOutput | None:
+    """The constraint of `tool_choice` "auto" over `tools` (OpenAI tool entries): calls
+    checked as they are written when any function is `"strict": true` (as SGLang does), else
+    None (the reply is unconstrained)."""
+    functions = [tool["function"] for tool in tools or []]
+    if not any(is_strict(function) for function in functions):
+        return None
+    return StructuredOutput.for_tools(functions, parallel, max_bytes, forced=False)
+
+
+def without_strict(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template shows them: `strict` is a decoding switch, not
+    something the model reads (prompts stay those of the same tools without it)."""
+    if tools is None:
+        return None
+    return [{**tool, "function": {key: value for key, value in tool["function"].items()
+                                  if key != "strict"}} if "function" in tool else tool
+            for tool in tools]
 
 
 def _check_size(num_bytes: int, max_bytes: int, field_name: str) -> None:

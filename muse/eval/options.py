@@ -25,6 +25,9 @@ class EvalSettings:
     python_tokens: int = 512
     unigram_chars: int = 4_000_000
     python_packages: bool = True
+    # Offer every function as `"strict": true` (the tool sections): calls are then checked
+    # against the offered schemas as they are written, as a client asking for it gets.
+    strict_tools: bool = False
 
     def validate(self) -> None:
         unknown = [s for s in self.sections if s not in SECTIONS]
@@ -60,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-python-packages", dest="python_packages", action="store_false",
                         help="use only the standard library's Python source, not installed "
                              "packages' too (default: off)")
+    parser.add_argument("--strict-tools", action="store_true",
+                        help='offer every function as `"strict": true` in the tools, '
+                             "unseen_tools and user_tools sections: each call is checked "
+                             "against the offered names and schemas as it is written (default: "
+                             "off, the model alone)")
     parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
                         help="score the model with this LoRA adapter (a PEFT folder, e.g. "
                              "`muse train grpo`'s) on every reply (default: none)")

@@ -105,7 +105,7 @@ def score(llm: LLM | AdaptedLLM, settings: EvalSettings, progress: bool | None =
                                                      progress)
     if "tools" in settings.sections:
         sections["tools"] = evaluate_tools(llm, settings.num, settings.seed, settings.max_tokens,
-                                           progress)
+                                           progress, settings.strict_tools)
     if "instructions" in settings.sections:
         sections["instructions"] = evaluate_instructions(llm, settings.num, settings.seed,
                                                          settings.max_tokens, progress)
@@ -114,10 +114,11 @@ def score(llm: LLM | AdaptedLLM, settings: EvalSettings, progress: bool | None =
                                                settings.max_tokens, progress)
     if "unseen_tools" in settings.sections:
         sections["unseen_tools"] = evaluate_unseen_tools(llm, settings.num, settings.seed,
-                                                         settings.max_tokens, progress)
+                                                         settings.max_tokens, progress,
+                                                         settings.strict_tools)
     if "user_tools" in settings.sections:
         sections["user_tools"] = evaluate_user_tools(llm, settings.seed, settings.max_tokens,
-                                                     progress)
+                                                     progress, settings.strict_tools)
     for section in MEDIA_KEYS:
         if section in settings.sections:
             sections[section] = evaluate_media(llm, section, settings.num, settings.seed,
@@ -245,7 +246,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         sections=tuple(s.strip() for s in args.sections.split(",") if s.strip()),
         max_tokens=args.max_tokens, max_digits=args.max_digits,
         python_files=args.python_files, python_tokens=args.python_tokens,
-        unigram_chars=args.unigram_chars, python_packages=args.python_packages)
+        unigram_chars=args.unigram_chars, python_packages=args.python_packages,
+        strict_tools=args.strict_tools)
     report = evaluate(args.model, settings, progress=args.progress, lora=args.lora,
                       device=args.device, dtype=args.dtype,
                       gpu_memory_utilization=args.gpu_memory_utilization,

@@ -12,7 +12,8 @@ import json
 import random
 from typing import Any
 
-from muse.eval.generation import ChatPrompt, SectionResult, example, generate_replies, reply_budget
+from muse.eval.generation import (ChatPrompt, SectionResult, example, generate_replies,
+                                  reply_budget, strict)
 from muse.eval.replies import Reply
 from muse.eval.schema import schema_errors
 from muse.llm import LLM
@@ -65,7 +66,7 @@ def held_out_cases(rng: random.Random, num: int) -> list[tools.ToolCase]:
 
 
 def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int,
-                   progress: bool | None = None) -> SectionResult:
+                   progress: bool | None = None, strict_tools: bool = False) -> SectionResult:
     rng = random.Random(f"eval-tools/{seed}")
     cases = held_out_cases(rng, num)
     calls, answers, offered_lists = [], [], []
@@ -75,8 +76,9 @@ def evaluate_tools(llm: LLM, num: int, seed: int, max_tokens: int,
             if rng.random() < SYSTEM_PROMPT_SHARE else []
         user, call, result, answer = tools.exchange(case, offered)
         request = system + [user]
-        calls.append(ChatPrompt(request, offered, reply_budget(llm, call, max_tokens)))
-        answers.append(ChatPrompt(request + [call, result], offered,
+        sent = strict(offered, strict_tools)
+        calls.append(ChatPrompt(request, sent, reply_budget(llm, call, max_tokens)))
+        answers.append(ChatPrompt(request + [call, result], sent,
                                   reply_budget(llm, answer, max_tokens)))
         offered_lists.append(offered)
     call_replies = generate_replies(llm, calls, "tool calls", progress)

@@ -26,7 +26,8 @@ import json
 import random
 from typing import Any
 
-from muse.eval.generation import ChatPrompt, SectionResult, example, generate_replies, reply_budget
+from muse.eval.generation import (ChatPrompt, SectionResult, example, generate_replies,
+                                  reply_budget, strict)
 from muse.eval.replies import Reply
 from muse.eval.tools import call_is_valid, single_call
 from muse.llm import LLM
@@ -111,21 +112,25 @@ def summarize(cases: list[UnseenToolCase], scores: list[dict[str, bool]]) -> dic
 
 
 def evaluate_unseen_tools(llm: LLM, num: int, seed: int, max_tokens: int,
-                          progress: bool | None = None) -> SectionResult:
+                          progress: bool | None = None, strict_tools: bool = False
+                          ) -> SectionResult:
     return evaluate_tool_cases(llm, held_out_cases(seed, num), f"eval-unseen-tools/{seed}",
-                               "unseen tools", max_tokens, progress)
+                               "unseen tools", max_tokens, progress, strict_tools)
 
 
 def evaluate_tool_cases(llm: LLM, cases: list[UnseenToolCase], seed: str, label: str,
-                        max_tokens: int, progress: bool | None = None) -> SectionResult:
-    """Each case's first reply, scored by `score_reply`; `seed` draws the system prompts."""
+                        max_tokens: int, progress: bool | None = None,
+                        strict_tools: bool = False) -> SectionResult:
+    """Each case's first reply, scored by `score_reply`; `seed` draws the system prompts;
+    `strict_tools` offers every function as `"strict": true`."""
     system_rng = random.Random(f"{seed}/system")
     prompts = []
     for case in cases:
         system = [{"role": "system", "content": system_rng.choice(SYSTEM_PROMPTS)}] \
             if system_rng.random() < SYSTEM_PROMPT_SHARE else []
         user = unseen_tools.exchange(case)[0]
-        prompts.append(ChatPrompt(system + [user], unseen_tools.offered_schemas(case),
+        prompts.append(ChatPrompt(system + [user],
+                                  strict(unseen_tools.offered_schemas(case), strict_tools),
                                   reply_budget(llm, expected_reply(case), max_tokens)))
     replies = generate_replies(llm, prompts, label, progress)
     scores = [score_reply(reply, case) for case, reply in zip(cases, replies)]

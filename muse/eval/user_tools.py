@@ -114,6 +114,7 @@ def user_tool_cases() -> list[UnseenToolCase]:
 
 
 def evaluate_user_tools(llm: LLM, seed: int, max_tokens: int,
-                        progress: bool | None = None) -> SectionResult:
+                        progress: bool | None = None, strict_tools: bool = False
+                        ) -> SectionResult:
     return evaluate_tool_cases(llm, user_tool_cases(), f"eval-user-tools/{seed}", "users' tools",
-                               max_tokens, progress)
+                               max_tokens, progress, strict_tools)

@@ -40,6 +40,9 @@ class FunctionDefinition(OpenAIModel):
     description: Optional[str] = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object",
                                                                  "properties": {}})
+    # OpenAI's switch for schema-following arguments; under tool_choice "auto" a call to any
+    # offered tool is then checked as it is written (SGLang's behaviour).
+    strict: Optional[bool] = None
 
 
 class Tool(OpenAIModel):

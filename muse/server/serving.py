@@ -18,7 +18,7 @@ from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_S
     TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
-from muse.engine.structured_output import StructuredOutput
+from muse.engine.structured_output import StructuredOutput, strict_tool_calls, without_strict
 from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaError, MediaLimits, \
     load_part
 from muse.server.errors import APIError
@@ -250,7 +250,11 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
             structured = StructuredOutput.for_tools(
                 functions, parallel=choice == "required" and request.parallel_tool_calls,
                 max_bytes=ready.max_grammar_bytes)
-    prompt = render_chat(request.messages, tools if choice != "none" else None,
+    elif choice == "auto" and structured is None:
+        with invalid_request_as_400():
+            structured = strict_tool_calls(tools, request.parallel_tool_calls,
+                                           ready.max_grammar_bytes)
+    prompt = render_chat(request.messages, without_strict(tools) if choice != "none" else None,
                          request.add_generation_prompt, request.chat_template_kwargs,
                          tokenizer, ready, options)
     max_tokens = request.max_completion_tokens or request.max_tokens
@@ -264,8 +268,7 @@ def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
     if structured is not None and reasoning:
         # As in vLLM, the grammar constrains the reply after its reasoning block (from the
         # start when the prompt closed the block: the engine checks the prompt's tail).
-        structured = dataclasses.replace(structured, reasoning_start_token_id=THINK_START_ID,
-                                         reasoning_end_token_id=THINK_END_ID)
+        structured = structured.after_reasoning()
     params.structured_output = structured
     return ChatPlan(prompt, params, parse_reasoning=reasoning,
                     parse_tools=choice != "none" and (options.tool_call_parser == "muse"

@@ -129,3 +129,15 @@ def test_reasoning_then_grammar_gives_the_same_tokens_with_and_without_overlap()
                         for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
     assert THINK_END_ID in outputs[0][0]
+
+
+def test_properties_are_written_in_the_schema_order(llm):
+    """xgrammar writes an object's properties in their declared order, so the schema text
+    must keep the request's order (not sort it): OpenAI's structured outputs do the same."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
+    params = SamplingParams(temperature=0.0, max_tokens=32,
+                            structured_output=StructuredOutput.for_schema(schema))
+    [output] = llm.generate([random_prompt(8, 0)], params, use_tqdm=False)
+    assert list(json.loads(llm.tokenizer.decode(output.outputs[0].token_ids[:-1]))) == \
+        ["zeta", "alpha"]

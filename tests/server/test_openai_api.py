@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import muse
+from muse.chat_format import TOOL_CALL_START_ID
 from muse.tokenizer import PAD_ID, MuseTokenizer
 from tests.live_server import MAX_MODEL_LEN, MODEL
 from tests.server.helpers import (
@@ -486,6 +487,27 @@ def test_required_tool_choice_streams_valid_calls(client, seed):
     assert finish == "tool_calls"
     assert sorted(calls) == list(range(len(calls)))
     check_tool_calls([(c["id"], c["name"], c["arguments"]) for c in calls.values()])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_strict_functions_under_auto_tool_choice_give_valid_calls(client, seed):
+    """`"strict": true` functions under tool_choice "auto" (SGLang's behaviour): a reply pushed
+    to open a call (a logit bias on `<tool_call>`) writes one valid call, and without
+    parallel calls nothing after it. The same request without `strict` writes no valid call
+    (negative control), from the same prompt: `strict` is not shown to the model."""
+    request = dict(model=MODEL, messages=TOOL_MESSAGES, max_tokens=128, seed=seed,
+                   temperature=1.0, parallel_tool_calls=False,
+                   logit_bias={str(TOOL_CALL_START_ID): 100})
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    reply = client.chat.completions.create(**request, tools=strict)
+    [choice] = reply.choices
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1
+    check_tool_calls([(c.id, c.function.name, c.function.arguments) for c in calls])
+    loose = client.chat.completions.create(**request, tools=TOOLS)
+    assert not loose.choices[0].message.tool_calls
+    assert loose.usage.prompt_tokens == reply.usage.prompt_tokens
 
 
 def test_auto_tool_choice_is_accepted(client):
