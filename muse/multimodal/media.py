@@ -350,15 +350,25 @@ def decode_image(data: bytes, limits: MediaLimits, where: str = "image") -> Imag
                                 f"{limits.max_image_pixels}-pixel limit (--max-image-pixels)")
     try:
         image.load()
-        image = ImageOps.exif_transpose(image)
-        if image.mode in ("RGBA", "LA", "PA") or \
-                (image.mode == "P" and "transparency" in image.info):
-            rgba = image.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        return image.convert("RGB")
+        return to_rgb(ImageOps.exif_transpose(image))
     except (OSError, ValueError, SyntaxError, EOFError):
         raise MediaError(where, "the image data is truncated or corrupt") from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB, 8 bits a channel: transparency composited over white (as
+    transformers' `convert_rgb` does), 16-bit greyscale (a 16-bit PNG or TIFF opens as
+    `I;16`) scaled to 8 bits, where Pillow's own conversion clips it (every value above 255
+    white); every other mode by Pillow's conversion."""
+    if image.mode.startswith("I;16"):
+        levels = np.asarray(image, dtype=np.uint32)  # native order whatever the file's
+        image = Image.fromarray(((levels * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+    if image.mode in ("RGBA", "LA", "PA") or \
+            (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def decode_video(data: bytes, fps: float, max_frames: int, *,

@@ -58,7 +58,7 @@ from muse.chat_format import (
 )
 from muse.config import AudioConfig, ConfigError, MuseSparkConfig, VisionConfig
 from muse.multimodal.audio import num_audio_tokens
-from muse.multimodal.media import Audio, Video
+from muse.multimodal.media import Audio, Video, to_rgb
 from muse.multimodal.vision import PatchGrid
 
 PROCESSOR_CONFIG_FILE = "processor_config.json"
@@ -476,9 +476,10 @@ class MuseSparkProcessor:
 
 
 def _as_uint8_image(image: Any, where: str) -> np.ndarray:
-    """uint8 [H, W, 3] RGB from a PIL image or a uint8 array / tensor."""
+    """uint8 [H, W, 3] RGB from a PIL image (as a decoded file's: `media.to_rgb`) or a uint8
+    array / tensor."""
     if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
+        return np.asarray(to_rgb(image))
     if isinstance(image, torch.Tensor):
         image = image.cpu().numpy()
     if not isinstance(image, np.ndarray):

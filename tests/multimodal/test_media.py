@@ -83,6 +83,33 @@ def test_transparent_pixels_are_put_over_white():
     assert image.mode == "RGB" and image.getpixel((0, 0)) == (255, 255, 255)
 
 
+@pytest.mark.parametrize("file_format", ["PNG", "TIFF"])
+def test_16_bit_greyscale_is_scaled_to_8_bits(file_format):
+    """A 16-bit greyscale file opens as `I;16`; Pillow's conversion would clip every level
+    above 255 to white."""
+    levels = np.array([[0, 257, 32768, 65535]], dtype=np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(levels).save(buffer, format=file_format)
+    image = decode_image(buffer.getvalue(), LIMITS)
+    assert image.mode == "RGB"
+    assert np.asarray(image)[0].tolist() == [[0] * 3, [1] * 3, [128] * 3, [255] * 3]
+
+
+def test_a_pil_image_offline_is_read_as_the_same_image_sent_as_a_file():
+    """`LLM.chat` takes PIL images as they are: a transparent or 16-bit one gives the pixels
+    the server gives for its PNG."""
+    from muse.multimodal.processor import _as_uint8_image
+
+    transparent = Image.new("RGBA", (4, 2), (200, 10, 10, 0))
+    transparent.putpixel((1, 0), (0, 0, 255, 128))
+    deep = Image.fromarray(np.array([[0, 1000, 40000, 65535]], dtype=np.uint16))
+    for image in (transparent, deep):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        assert np.array_equal(_as_uint8_image(image, "image"),
+                              np.asarray(decode_image(buffer.getvalue(), LIMITS)))
+
+
 def test_image_formats_outside_the_common_ones_are_refused():
     buffer = io.BytesIO()
     Image.new("RGB", (8, 8)).save(buffer, format="PPM")
