@@ -127,6 +127,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
             "seed": args.seed, "enforce_eager": args.enforce_eager,
             "prefill_graph_max_tokens": args.prefill_graph_max_tokens,
+            "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
             "overlap_schedule": not args.disable_overlap_schedule,
             "kv_cache_dtype": args.kv_cache_dtype,
             "calculate_kv_scales": args.calculate_kv_scales,
@@ -281,6 +282,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="one-request prefill steps of up to this many tokens replay "
                              "captured CUDA graphs (padded to the next of 16, 24, 32, 48, ...); "
                              "0: they run eagerly")
+    parser.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                        help="steps no whole-step graph covers replay every layer's work but "
+                             "attention from CUDA graphs (default: off)")
     parser.add_argument("--speculative-config", default=None,
                         help="speculative decoding as JSON, vLLM's names, e.g. "
                              "'{\"method\": \"dspark\"}' for the shipped drafter "

@@ -67,6 +67,11 @@ class EngineArgs:
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless set
     # One-request prefill steps of up to this many tokens replay captured graphs too (0: none).
     prefill_graph_max_tokens: int = 1024
+    # Steps no whole-step graph covers (several prefills, prefills mixed with decodes) of up
+    # to `piecewise_cuda_graph_max_tokens` tokens replay piecewise graphs: every layer's work
+    # but attention captured per token-count bucket (SGLang's flags; vLLM's PIECEWISE mode).
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 512
     # Launch step n+1 before reading step n's tokens back, so host work overlaps the device.
     overlap_schedule: bool = True
     # Structured output: a grammar not compiled this long after its request arrived fails
@@ -189,6 +194,11 @@ class EngineArgs:
                 or self.prefill_graph_max_tokens < 0:
             raise ValueError("`prefill_graph_max_tokens` must be a non-negative integer, got "
                              f"{self.prefill_graph_max_tokens!r}")
+        if isinstance(self.piecewise_cuda_graph_max_tokens, bool) \
+                or not isinstance(self.piecewise_cuda_graph_max_tokens, int) \
+                or self.piecewise_cuda_graph_max_tokens < 16:
+            raise ValueError("`piecewise_cuda_graph_max_tokens` must be an integer of at least "
+                             f"16, got {self.piecewise_cuda_graph_max_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"`max_model_len` must be at least 2, got {self.max_model_len}")
         if not self.grammar_compile_timeout_s > 0:

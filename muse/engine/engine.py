@@ -27,6 +27,7 @@ from muse.engine.cuda_graphs import DecodeGraphs, prefill_query_lens
 from muse.engine.grammar_jobs import CompileJob, GrammarJobs, threads_per_compile
 from muse.engine.kv_budget import block_bytes, split_blocks
 from muse.engine.metadata import HostBatch
+from muse.engine.piecewise_graphs import PiecewiseGraphs, cuda_capture
 from muse.engine.rank_memory import shared_kv_budget
 from muse.engine.host_kv_store import HostKVStore
 from muse.engine.kv_cache import KVCacheManager
@@ -273,7 +274,7 @@ class EngineCore:
                              self._graphs(kv_caches), self.worker_encoders, self.encoder_cache,
                              HostKVStore(self.model.layer_types, kv_caches, self.host_blocks,
                                          self.disk_root, shard_name(0, 0))
-                             if self.host_blocks else None)
+                             if self.host_blocks else None, self._piecewise_graphs(kv_caches))
         if worker_processes:
             from muse.distributed.parallel_state import get_world_group
 
@@ -541,6 +542,22 @@ class EngineCore:
         pool = torch.cuda.graph_pool_handle()
         graphs += [capture(q, batch=1, pool=pool) for q in
                    reversed(prefill_query_lens(longest, above=graphs[-1].query_len))]
+        return graphs
+
+    def _piecewise_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                          ) -> PiecewiseGraphs | None:
+        """Piecewise graphs for mixed steps (`enable_piecewise_cuda_graph`), where graphs are
+        captured at all, without LoRA (its per-token slots are not among the pieces'
+        inputs) and without a drafter (its context rows come from layers inside pieces)."""
+        args = self.args
+        if not args.enable_piecewise_cuda_graph or self.device.type != "cuda" \
+                or args.enforce_eager or self.world_size > 1 \
+                or args.quantization_emulate_activations or args.enable_lora \
+                or isinstance(self.proposer, DrafterProposer):
+            return None
+        largest = min(args.piecewise_cuda_graph_max_tokens, args.max_num_batched_tokens)
+        graphs = PiecewiseGraphs(self.model, kv_caches, largest, self.device)
+        graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
         return graphs
 
     # ---- requests ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from muse.distributed.config import RankCoordinates
 from muse.distributed.parallel_state import (get_dp_group, get_parallel_config, get_pcp_group,
                                              get_pp_group, get_world_group)
 from muse.engine.cuda_graphs import DecodeGraphs
+from muse.engine.piecewise_graphs import PiecewiseGraphs
 from muse.engine.host_kv_store import HostKVStore
 from muse.engine.metadata import HostBatch
 from muse.engine.transfer import to_device
@@ -49,7 +50,8 @@ class ModelWorker:
                  graphs: list[DecodeGraphs] | None = None,
                  encoders: MediaEncoders | None = None,
                  encoder_cache: EncoderCache | None = None,
-                 host_store: HostKVStore | None = None) -> None:
+                 host_store: HostKVStore | None = None,
+                 piecewise: PiecewiseGraphs | None = None) -> None:
         self.model = model
         # This rank's host-memory (and disk) KV tiers, when the engine has them; their loads
         # land layer group by layer group inside eager forwards.
@@ -64,6 +66,8 @@ class ModelWorker:
         self.block_size = block_size
         # Captured steps by query length: decode (1), then speculative verify shapes.
         self.graphs = sorted(graphs or [], key=lambda g: g.query_len)
+        # Steps no whole-step graph covers, up to its largest bucket (`piecewise_graphs.py`).
+        self.piecewise = piecewise
         # Every step eager: a KV connector's per-layer hooks must run in each forward.
         self.eager_layers = False
         # Pipeline steps run, by their number of micro-batches.
@@ -264,6 +268,12 @@ class ModelWorker:
             return self._forward_context_parallel(batch)
         input_ids, meta = batch.to_device(self.device, self.block_size)
         self._fill_pending(input_ids, pending, previous_tokens)
+        piecewise = self.piecewise
+        if piecewise is not None and not eager and batch.lora_slots is None \
+                and self.model.context_writer is None and piecewise.fits(batch.num_tokens):
+            if self.host_store is not None:
+                self.host_store.finish_loads()  # the pieces call no layer hooks
+            return piecewise.run(input_ids, meta)
         return self.model(input_ids, meta, self.kv_caches)
 
     def _forward_media(self, batch: HostBatch, pending: PendingInputs,

@@ -99,16 +99,25 @@ class EngineAttention(nn.Module):
         """The q/k/v projection's weight when it is a plain product (`plain_weight`)."""
         return self.qkv_proj.plain_weight()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: BatchMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                projected: torch.Tensor | None = None) -> torch.Tensor:
-        """`projected`: x @ input_weight()^T, when the caller computed it (with the norm)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                projected: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k (normed per head and rotated) and v of the step's tokens: the part of the
+        block that reads no metadata (piecewise graphs capture it). `projected`: x @
+        input_weight()^T, when the caller computed it (with the norm). The layer applies
+        `o_proj` to `attend`'s output."""
         q, k, v = self.qkv_proj.split(projected if projected is not None else self.qkv_proj(x))
         q_norm, k_norm = self.q_norm, self.k_norm
         q, k = self.backend.qk_norm_rope(
             q, k, q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None, cos, sin,
             q_norm.eps if q_norm is not None else 0.0)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """K/V stored in the cache and the queries' attention over it, [tokens, heads x
+        head_dim] (`o_proj`'s input): the part that reads the step's metadata."""
         kind = meta.kinds[self.layer_type]
         k_cache, v_cache = kv_cache
         slots, context = kind.slot_mapping, meta.context_parallel
@@ -124,4 +133,4 @@ class EngineAttention(nn.Module):
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, kind, self.sliding_window,
                                            self.scale, self.k_scale, self.v_scale,
                                            new_kv=(k, v) if context is None else None)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return out.reshape(q.shape[0], -1)

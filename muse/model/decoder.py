@@ -70,13 +70,28 @@ class EngineDecoderLayer(nn.Module):
         """(mlp output, residual): their sum is the reference layer's output.
 
         `residual` is None for the first layer, whose input is the whole residual stream."""
+        q, k, v, residual = self.before_attention(x, residual, rotary)
+        attended = self.self_attn.attend(q, k, v, meta, kv_cache)
+        return self.after_attention(attended, residual, meta.dp_num_tokens)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual): the norm and the attention's projections, which read no
+        metadata (a piece of a piecewise graph)."""
         h, residual, qkv = self._norm(x, residual, self.input_layernorm, self.self_attn)
         cos, sin = rotary[self.layer_type]
-        h = self.self_attn(h, cos, sin, meta=meta, kv_cache=kv_cache, projected=qkv)
+        q, k, v = self.self_attn.project(h, cos, sin, projected=qkv)
+        return q, k, v, residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor,
+                        dp_num_tokens: list[int] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual) from the attention's output before `o_proj`."""
+        h = self.self_attn.o_proj(attended)
         h, residual, projected = self._norm(h, residual, self.post_attention_layernorm,
                                             self.mlp)
         if self.is_moe:
-            return self.mlp(h, meta.dp_num_tokens, projected=projected), residual
+            return self.mlp(h, dp_num_tokens, projected=projected), residual
         return self.mlp(h, projected=projected), residual
 
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,

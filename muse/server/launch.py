@@ -108,6 +108,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="one-request prefill steps of up to this many tokens replay captured CUDA graphs "
              "(padded to the next of 16, 24, 32, 48, ...); 0: they run eagerly (default: "
              f"{EngineArgs.prefill_graph_max_tokens})")
+    add("--enable-piecewise-cuda-graph", action="store_true",
+        help="steps no whole-step graph covers (several prefills, prefills with decodes) "
+             "replay every layer's work but attention from CUDA graphs captured per token "
+             "count (SGLang's flag; not with LoRA or a drafter) (default: off)")
+    add("--piecewise-cuda-graph-max-tokens", type=int,
+        default=EngineArgs.piecewise_cuda_graph_max_tokens,
+        help="the largest step the piecewise graphs take (token counts 16, 24, 32, 48, ... "
+             f"up to it) (default: {EngineArgs.piecewise_cuda_graph_max_tokens})")
     add("--disable-overlap-schedule", action="store_true",
         help="read each step back before launching the next (default: off: the next step "
              "is launched first, so host work overlaps the GPU)")
@@ -271,6 +279,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+        enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         overlap_schedule=not args.disable_overlap_schedule,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
