@@ -474,3 +474,17 @@ def test_decode_ab_script_interleaves_its_settings(tmp_path):
     defaults = subprocess.run(["bash", str(script), str(tmp_path)], env=dict(env, ROUNDS="1"),
                               capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split(" python3 ")[0] for line in defaults] == ["env", "env MUSE_PDL=0"] * 2
+
+
+def test_mixed_steps_json(tmp_path):
+    from benchmarks import mixed_steps
+
+    out = tmp_path / "mixed.json"
+    record = mixed_steps.main(["--shape", "muse-spark-tiny", "--device", "cpu", "--requests",
+                               "6", "--prompt-len", "20", "--output-len", "4",
+                               "--max-num-batched-tokens", "32", "--repeats", "1",
+                               "--out", str(out)])
+    assert record["same_tokens"] and set(record["modes"]) == {"graphs", "piecewise"}
+    # Every prompt token is computed in each run (no prefix-cache hits across runs).
+    assert all(mode["steps"] >= 6 * 20 // 32 for mode in record["modes"].values())
+    assert json.loads(out.read_text())["settings"]["requests"] == 6

@@ -75,6 +75,7 @@ class PiecewiseGraphs:
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
 
+    @torch.inference_mode()
     def capture(self, capture: Capture) -> None:
         """Make every bucket's pieces replayable, the largest bucket first (its eager warm-up
         run sizes the buffers)."""
