@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from muse.engine.grammar_matcher import RequestGrammar
 from muse.chat_format import TOOL_CALL_END_TOKEN, TOOL_CALL_START_TOKEN
+from muse.engine.grammar_matcher import RequestGrammar
 from muse.engine.structured_output import (
     MAX_FORCED_TOOL_CALLS,
     StructuredOutput,

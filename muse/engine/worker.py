@@ -19,9 +19,9 @@ from muse.distributed.config import RankCoordinates
 from muse.distributed.parallel_state import (get_dp_group, get_parallel_config, get_pcp_group,
                                              get_pp_group, get_world_group)
 from muse.engine.cuda_graphs import DecodeGraphs
-from muse.engine.piecewise_graphs import PiecewiseGraphs
 from muse.engine.host_kv_store import HostKVStore
 from muse.engine.metadata import HostBatch
+from muse.engine.piecewise_graphs import PiecewiseGraphs
 from muse.engine.transfer import to_device
 from muse.kernels.attention_metadata import ContextParallelMetadata
 from muse.model.decoder import EngineModel

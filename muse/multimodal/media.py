@@ -362,7 +362,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     white); every other mode by Pillow's conversion."""
     if image.mode.startswith("I;16"):
         levels = np.asarray(image, dtype=np.uint32)  # native order whatever the file's
-        image = Image.fromarray(((levels * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+        image = Image.fromarray(((levels * 255 + 32767) // 65535).astype(np.uint8))
     if image.mode in ("RGBA", "LA", "PA") or \
             (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
