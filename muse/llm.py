@@ -16,8 +16,9 @@ from muse.engine.request import Request
 from muse.engine.sampling_params import SamplingParams
 from muse.engine.structured_output import strict_tool_calls, without_strict
 from muse.lora.request import LoRARequest
-from muse.multimodal.media import (AUDIO_PART_TYPES, IMAGE_PART_TYPES, VIDEO_PART_TYPES,
-                                   MediaError, MediaLimits, load_part)
+from muse.multimodal.media import (AUDIO_PART_TYPES, DEFAULT_VIDEO_FPS, IMAGE_PART_TYPES,
+                                   VIDEO_PART_TYPES, MediaError, MediaLimits, load_part,
+                                   video_fps_of)
 from muse.outputs import CompletionOutput, RequestOutput
 from muse.presets import default_model
 from muse.reasoning import split_reasoning
@@ -248,6 +249,7 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              media_limits: MediaLimits | None = None,
              lora_request: LoRAOption = None,
+             mm_processor_kwargs: dict[str, Any] | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:
         """Replies to one conversation or a list of them.
 
@@ -265,7 +267,9 @@ class LLM:
         `{"type": "video", "video": ...}` (uint8 [T, H, W, 3] frames, (frames, timestamps)
         or a `media.Video`), `{"type": "audio", "audio": ...}` (a float waveform at 24 kHz
         or a `media.Audio`). They go to the engine as `multi_modal_data`; a part that cannot
-        be used raises a `MediaError` (a ValueError) naming it.
+        be used raises a `MediaError` (a ValueError) naming it. `mm_processor_kwargs`
+        (vLLM's): `{"fps": N}` samples the videos fetched from URLs at N frames a second
+        (default: the model's `video_fps`).
 
         `tools` are OpenAI tool entries, offered as under `tool_choice` "auto"; when a
         function says `"strict": true`, every call the reply writes is checked as it is
@@ -284,10 +288,11 @@ class LLM:
         template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         limits = media_limits or MediaLimits()
+        video_fps = self._video_fps(mm_processor_kwargs)
         prompts = []
         for number, conversation in enumerate(conversations):
             prefix = f"conversations[{number}]." if len(conversations) > 1 else ""
-            conversation, media = _chat_media(conversation, limits, prefix)
+            conversation, media = _chat_media(conversation, limits, prefix, video_fps)
             prompt: dict[str, Any] = {"prompt_token_ids": self.tokenizer.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **template_kwargs)}
@@ -300,8 +305,14 @@ class LLM:
                               lora_request=lora_request)
 
 
-def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = ""
-                ) -> tuple[list[Message], dict[str, list]]:
+    def _video_fps(self, mm_processor_kwargs: dict[str, Any] | None) -> float:
+        """A chat's video sampling rate: `mm_processor_kwargs["fps"]` or the model's."""
+        fps = video_fps_of(mm_processor_kwargs or {})
+        return fps if fps is not None else self.engine.replicas[0].video_fps()
+
+
+def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = "",
+                video_fps: float = DEFAULT_VIDEO_FPS) -> tuple[list[Message], dict[str, list]]:
     """The messages with each media part replaced by its placeholder part (`{"type":
     "image"}`), and the media by kind in prompt order (vLLM's `multi_modal_data`)."""
     media: dict[str, list] = {}
@@ -316,7 +327,7 @@ def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = ""
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in URL_PART_KINDS or kind in OBJECT_PART_KINDS:
                 where = f"{prefix}messages[{i}].content[{j}]"
-                item, kind = _media_item(part, kind, limits, where)
+                item, kind = _media_item(part, kind, limits, where, video_fps)
                 media.setdefault(kind, []).append(item)
                 part = {"type": kind}
             parts.append(part)
@@ -324,8 +335,8 @@ def _chat_media(messages: list[Message], limits: MediaLimits, prefix: str = ""
     return out, media
 
 
-def _media_item(part: dict, part_type: str, limits: MediaLimits, where: str
-                ) -> tuple[Any, str]:
+def _media_item(part: dict, part_type: str, limits: MediaLimits, where: str,
+                video_fps: float) -> tuple[Any, str]:
     """(the decoded item, its kind) of one media part."""
     if part_type in OBJECT_PART_KINDS:
         item = part.get(part_type)
@@ -333,7 +344,7 @@ def _media_item(part: dict, part_type: str, limits: MediaLimits, where: str
             raise MediaError(where, f"a {part_type!r} part needs the item under "
                                     f"{part_type!r}")
         return item, OBJECT_PART_KINDS[part_type]
-    return load_part(part, limits, where), URL_PART_KINDS[part_type]
+    return load_part(part, limits, where, video_fps), URL_PART_KINDS[part_type]
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

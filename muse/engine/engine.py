@@ -46,6 +46,7 @@ from muse.multimodal.encoder_workers import (EncoderRecipe, EncoderWorkerPool, c
                                              close_encoders)
 from muse.multimodal.engine_inputs import (Encoders, build_media_encoders, has_encoders,
                                            load_media_encoders)
+from muse.multimodal.media import DEFAULT_VIDEO_FPS
 from muse.multimodal.processor import KINDS as MEDIA_KINDS
 from muse.multimodal.processor import (MuseSparkProcessor, ProcessorConfig, ProcessorError,
                                       preset_processor_config)
@@ -683,6 +684,12 @@ class EngineCore:
         """The prompt ids a request with this media would run: its placeholders expanded
         (`/tokenize`); nothing is queued or encoded."""
         return self._process_media(prompt_token_ids, multi_modal_data)[0]
+
+    def video_fps(self) -> float:
+        """The frames a second a video is sampled at unless a request asks otherwise: the
+        model's processor setting (`processor_config.json`)."""
+        return self._processor.config.video_fps if self._processor is not None \
+            else DEFAULT_VIDEO_FPS
 
     def media_kinds(self) -> list[str]:
         """The media kinds this engine takes ("image", "video", "audio"): those its loaded

@@ -32,6 +32,7 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urljoin, urlparse
 
 import httpx
@@ -42,6 +43,9 @@ from muse.multimodal.resample import resample
 
 AUDIO_SAMPLE_RATE = 24_000  # the audio encoder's rate
 DEFAULT_VIDEO_FPS = 2.0
+# The most frames a second a request may ask a video to be sampled at (more than any video
+# holds: a higher rate keeps every frame, up to the frame limit).
+MAX_VIDEO_FPS = 120.0
 # Formats Pillow may open: the common ones, so that a request cannot reach the decoders of
 # rarely used (and rarely hardened) formats.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO
@@ -58,6 +62,29 @@ _AUDIO_BLOCK_FRAMES = 1 << 16
 # Media parts one request may hold, per kind (vLLM's --limit-mm-per-prompt): each part may
 # cost up to the per-part limits below, so their number is bounded too.
 DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 32, "video": 4, "audio": 8}
+
+
+def video_fps_of(kwargs: Any, name: str = "mm_processor_kwargs") -> float | None:
+    """The `fps` of an `mm_processor_kwargs` mapping (vLLM's; `fps` is the one key muse
+    takes), None when it has none; anything else raises ValueError naming `name`."""
+    if not isinstance(kwargs, dict) or set(kwargs) - {"fps"}:
+        raise ValueError(f"{name} takes only {{\"fps\": N}}; got {kwargs!r}")
+    fps = kwargs.get("fps")
+    if fps is None:
+        return None
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) \
+            or not 0 < fps <= MAX_VIDEO_FPS:
+        raise ValueError(f"{name} fps must be a number in (0, {MAX_VIDEO_FPS:g}]; got {fps!r}")
+    return float(fps)
+
+
+def parse_video_fps(text: str) -> float | None:
+    """The `fps` of a --mm-processor-kwargs value, a JSON object such as `{"fps": 1.0}`."""
+    try:
+        given = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--mm-processor-kwargs must be a JSON object; got {text!r}") from None
+    return video_fps_of(given, "--mm-processor-kwargs")
 
 
 def parse_mm_limits(text: str) -> dict[str, int]:

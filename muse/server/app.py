@@ -52,6 +52,7 @@ from muse.server.serving import (
     plan_completion,
     render_chat,
     tokenize_prompts,
+    video_fps_for,
 )
 from muse.server.stats_logger import log_stats_while_running
 
@@ -252,7 +253,9 @@ def build_app(client: EngineClient, tokenizer, options: ServerOptions,
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
             media_parts = check_media(body.messages, client.ready,
-                                      options.limit_mm_per_prompt)
+                                      options.limit_mm_per_prompt,
+                                      video_fps_for(body.mm_processor_kwargs, client.ready,
+                                                    options))
             tools = [t.model_dump() for t in body.tools] if body.tools else None
             return render_chat(body.messages, tools, body.add_generation_prompt,
                                body.chat_template_kwargs, tokenizer, client.ready,

@@ -110,6 +110,7 @@ class EngineLoop:
                            eos_token_ids=list(engine.eos_token_ids),
                            max_grammar_bytes=engine.args.max_grammar_bytes,
                            media_kinds=engine.replicas[0].media_kinds(),
+                           video_fps=engine.replicas[0].video_fps(),
                            kv_producer=kv_producer_address(engine.args.kv_transfer_config),
                            lora_adapters=self._lora_adapters())
 

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from muse.engine.args import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, EngineArgs
-from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaLimits, parse_mm_limits
+from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaLimits, parse_mm_limits, \
+    parse_video_fps
 from muse.quantization import ONLINE_FORMATS
 
 logger = logging.getLogger("muse.server")
@@ -169,6 +170,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="most media parts of each kind in one request, as a JSON object, e.g. "
              "'{\"image\": 4, \"video\": 1}'; kinds left out keep their default (default: "
              f"{json.dumps(DEFAULT_LIMIT_MM_PER_PROMPT)})")
+    add("--mm-processor-kwargs", type=parse_video_fps, default=None,
+        help="how media are prepared unless a request says otherwise (vLLM's flag), as JSON: "
+             "'{\"fps\": 1.0}' samples videos at 1 frame a second (default: the model's "
+             "processor_config.json)")
     add("--restart-engine", action="store_true",
         help="start a new engine core when it dies, instead of exiting with an error "
              "(default: off)")
@@ -336,7 +341,8 @@ def build_from_args(args: argparse.Namespace, on_engine_death=None):
         allowed_origins=args.allowed_origins,
         log_stats_interval_s=None if args.disable_log_stats else 5.0,
         max_token_bytes=tokenizer.max_token_bytes, media_limits=media_limits,
-        limit_mm_per_prompt=args.limit_mm_per_prompt)
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        video_fps=args.mm_processor_kwargs)
     client = ThreadEngineClient(engine_args) if args.engine_in_process \
         else ProcessEngineClient(engine_args, restart=args.restart_engine)
     return build_app(client, tokenizer, options, on_engine_death)

@@ -11,6 +11,7 @@ from muse.engine.errors import InvalidRequestError
 from muse.engine.request import TokenLogprobs
 from muse.engine.sampling_params import SamplingParams
 from muse.engine.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
+from muse.multimodal.media import DEFAULT_VIDEO_FPS
 
 
 # The dtypes decoded media comes in (images and video frames: uint8; audio: float32), so the
@@ -194,6 +195,9 @@ class EngineReady(msgspec.Struct, tag=True):
     # The media kinds the engine's encoders take, so the front end refuses other media
     # parts before fetching them.
     media_kinds: list[str] = []
+    # The frames a second a video is sampled at unless a request or the server asks
+    # otherwise (the model's processor setting).
+    video_fps: float = DEFAULT_VIDEO_FPS
     # A prefill instance's KV address (host, port) for `kv_transfer_params` replies.
     kv_producer: tuple[str, int] | None = None
     # LoRA adapters loaded at start-up (`--lora-modules`): name -> path.

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from muse.engine.sampling_params import SamplingParams
+from muse.multimodal.media import MAX_VIDEO_FPS
 
 
 class OpenAIModel(BaseModel):
@@ -43,6 +44,15 @@ class FunctionDefinition(OpenAIModel):
     # OpenAI's switch for schema-following arguments; under tool_choice "auto" a call to any
     # offered tool is then checked as it is written (SGLang's behaviour).
     strict: Optional[bool] = None
+
+
+class MMProcessorKwargs(BaseModel):
+    """vLLM's `mm_processor_kwargs`: how this request's media are prepared. `fps`: the frames
+    a second its videos are sampled at (the model's `video_fps` when absent), up to the
+    frame limits. Other keys are refused (a 400 naming them), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    fps: Optional[float] = Field(None, gt=0, le=MAX_VIDEO_FPS)
 
 
 class Tool(OpenAIModel):
@@ -123,6 +133,7 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    mm_processor_kwargs: Optional[MMProcessorKwargs] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
@@ -148,6 +159,7 @@ class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    mm_processor_kwargs: Optional[MMProcessorKwargs] = None
     tools: Optional[list[Tool]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = True

@@ -19,12 +19,13 @@ from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_S
 from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams, validate_prompt
 from muse.engine.structured_output import StructuredOutput, strict_tool_calls, without_strict
-from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, MediaError, MediaLimits, \
-    load_part
+from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, DEFAULT_VIDEO_FPS, MediaError, \
+    MediaLimits, load_part
 from muse.server.errors import APIError
 from muse.server.json_body import json_strings
 from muse.server.messages import EngineReady, MediaArray
-from muse.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from muse.server.protocol import ChatCompletionRequest, CompletionRequest, MMProcessorKwargs, \
+    ResponseFormat
 
 # A chat reply keeps the tags its parsers read and drops the other special tokens.
 CHAT_HIDDEN_TOKEN_IDS = frozenset(range(len(SPECIAL_TOKENS))) - {
@@ -55,6 +56,9 @@ class ServerOptions:
     max_token_bytes: int = 1
     # How media parts are fetched and decoded (the --allowed-media-* and --max-* flags).
     media_limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
+    # The frames a second videos are sampled at (--mm-processor-kwargs '{"fps": ...}');
+    # None: the model's setting.
+    video_fps: float | None = None
     # Most media parts of each kind in one request (--limit-mm-per-prompt).
     limit_mm_per_prompt: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
@@ -115,11 +119,23 @@ class MediaPart:
     where: str
     kind: str  # "image", "video" or "audio"
     part: dict
+    video_fps: float = DEFAULT_VIDEO_FPS  # a video's sampling rate (`video_fps_for`)
+
+
+def video_fps_for(kwargs: MMProcessorKwargs | None, ready: EngineReady,
+                  options: ServerOptions) -> float:
+    """The rate a request's videos are sampled at: the request's `mm_processor_kwargs.fps`,
+    else the server's (`--mm-processor-kwargs`), else the model's."""
+    if kwargs is not None and kwargs.fps is not None:
+        return kwargs.fps
+    return options.video_fps if options.video_fps is not None else ready.video_fps
 
 
 def check_media(messages: list, ready: EngineReady,
-                 limits: dict[str, int] | None = None) -> list[MediaPart]:
-    """Check every content part's fields and return the media parts in prompt order.
+                limits: dict[str, int] | None = None,
+                video_fps: float = DEFAULT_VIDEO_FPS) -> list[MediaPart]:
+    """Check every content part's fields and return the media parts in prompt order, videos
+    to be sampled at `video_fps`.
 
     Only the fields are checked here (cheap, before anything is fetched); a part of a kind
     the model has no encoder for is refused too, and so is a part past `limits` (the most
@@ -151,7 +167,7 @@ def check_media(messages: list, ready: EngineReady,
                                     f"{media_kind} part(s) in one request "
                                     "(--limit-mm-per-prompt)", param=where,
                                code="invalid_value")
-            parts.append(MediaPart(where, media_kind, part))
+            parts.append(MediaPart(where, media_kind, part, video_fps))
     return parts
 
 
@@ -191,7 +207,7 @@ def placeholder_content(messages: list[dict]) -> list[dict]:
 
 def _load_media(part: MediaPart, limits: MediaLimits) -> MediaArray:
     """Fetch and decode one part into the array the engine gets (blocking: run in a pool)."""
-    return MediaArray.of(load_part(part.part, limits, part.where))
+    return MediaArray.of(load_part(part.part, limits, part.where, part.video_fps))
 
 
 async def decode_media(parts: list[MediaPart], limits: MediaLimits,
@@ -226,7 +242,8 @@ class ChatPlan:
 def plan_chat(request: ChatCompletionRequest, tokenizer, ready: EngineReady,
               options: ServerOptions) -> ChatPlan:
     check_model(request.model, options)
-    media_parts = check_media(request.messages, ready, options.limit_mm_per_prompt)
+    media_parts = check_media(request.messages, ready, options.limit_mm_per_prompt,
+                              video_fps_for(request.mm_processor_kwargs, ready, options))
     tools = [t.model_dump() for t in request.tools] if request.tools else None
     choice = request.tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:

@@ -98,3 +98,29 @@ def test_a_bad_part_raises_naming_it(llm):
                  greedy(), use_tqdm=False)
     with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[1\]: "):
         llm.chat(user({"type": "image_pil"}), greedy(), use_tqdm=False)
+
+
+def test_videos_are_sampled_at_the_requested_fps(llm):
+    av = pytest.importorskip("av")
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:  # 2 s at 8 frames a second
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        for i in range(16):
+            frame = np.full((56, 56, 3), 15 * i, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+    url = "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = user({"type": "video_url", "video_url": {"url": url}})
+
+    def prompt_length(**kwargs) -> int:
+        [output] = llm.chat(messages, greedy(), use_tqdm=False, **kwargs)
+        return len(output.prompt_token_ids)
+
+    default = prompt_length()  # the model's 2 fps: 4 frames
+    assert prompt_length(mm_processor_kwargs={"fps": 2}) == default
+    assert prompt_length(mm_processor_kwargs={"fps": 1}) < default \
+        < prompt_length(mm_processor_kwargs={"fps": 4})
+    for bad in ({"fps": 0}, {"fps": "2"}, {"frames": 4}):
+        with pytest.raises(ValueError, match="mm_processor_kwargs"):
+            llm.chat(messages, greedy(), use_tqdm=False, mm_processor_kwargs=bad)

@@ -146,6 +146,26 @@ def test_a_video_url(client):
     assert reply.usage.completion_tokens == MAX_TOKENS
 
 
+def test_a_video_is_sampled_at_the_requested_fps(client):
+    """1.5 s of video: 6 frames at 4 fps (3 frame pairs), 3 at the model's 2 fps (2 pairs
+    after padding), 2 at 1 fps (1 pair); a frame pair is 4 tokens and a time marker."""
+    video = {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(), "video/mp4")}}
+
+    def prompt_tokens(**kwargs) -> int:
+        extra = {"mm_processor_kwargs": kwargs} if kwargs else None
+        return ask(client, video, extra_body=extra).usage.prompt_tokens
+
+    slow, default, fast = prompt_tokens(fps=1), prompt_tokens(), prompt_tokens(fps=4)
+    assert slow < default < fast
+    assert prompt_tokens(fps=2) == default
+    for kwargs, param in (({"fps": 0}, "mm_processor_kwargs.fps"),
+                          ({"fps": 1000}, "mm_processor_kwargs.fps"),
+                          ({"frames": 3}, "mm_processor_kwargs.frames")):
+        with pytest.raises(openai.BadRequestError) as error:
+            ask(client, video, extra_body={"mm_processor_kwargs": kwargs})
+        assert error.value.body["param"] == param
+
+
 def test_several_images_in_one_message(client):
     urls = [data_url(png_bytes(seed), "image/png") for seed in (2, 3, 4)]
     reply = ask(client, *(image_part(url) for url in urls))

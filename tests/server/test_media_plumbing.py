@@ -17,7 +17,7 @@ from muse.engine.errors import InvalidRequestError
 from muse.engine.sampling_params import SamplingParams
 from muse.multimodal.encoder_cache import METRIC_ENTRIES, METRIC_HITS, METRIC_MISSES
 from muse.multimodal.media import (DEFAULT_LIMIT_MM_PER_PROMPT, Audio, MediaLimits, Video,
-                                   parse_mm_limits)
+                                   parse_mm_limits, parse_video_fps)
 from muse.server.errors import APIError
 from muse.server.messages import (AddRequest, EngineReady, EngineStats, MediaArray, ToEngine,
                                   multi_modal_data)
@@ -151,3 +151,17 @@ def test_limit_mm_per_prompt_parses_vllms_json():
     for bad in ("image=2", '{"hologram": 1}', '{"image": -1}', '[1]'):
         with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
             parse_mm_limits(bad)
+
+
+def test_mm_processor_kwargs_flag_sets_the_servers_video_fps():
+    import argparse
+
+    from muse.server.launch import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, "muse-spark-tiny")
+    assert parser.parse_args(["--mm-processor-kwargs", '{"fps": 1}']).mm_processor_kwargs == 1.0
+    assert parser.parse_args([]).mm_processor_kwargs is None
+    for bad in ("fps=1", '{"fps": 0}', '{"fps": 1000}', '{"frames": 2}', '[1]'):
+        with pytest.raises(ValueError, match="--mm-processor-kwargs"):
+            parse_video_fps(bad)
