@@ -71,13 +71,25 @@ def prompts() -> list[list[int]]:
     return mixed_prompts(config.vocab_size, config.sliding_window, count=12)
 
 
-def test_mixed_steps_through_the_pieces_give_the_eager_tokens(prompts):
-    want = generate(tiny(), prompts)
+@pytest.fixture(scope="module")
+def eager_outputs(prompts) -> list[CompletionOutput]:
+    return generate(tiny(), prompts)
+
+
+def with_pieces(kind: type[PiecewiseGraphs] = PiecewiseGraphs
+                ) -> tuple[LLM, PiecewiseGraphs]:
+    """A tiny engine whose steps run through piecewise graphs replayed eagerly."""
     llm = tiny()
     worker = llm.engine.executor.worker
-    graphs = PoisonedTails(worker.model, worker.kv_caches, BATCHED_TOKENS, worker.device)
+    graphs = kind(worker.model, worker.kv_caches, BATCHED_TOKENS, worker.device)
     graphs.capture(eager_capture)
     worker.piecewise = graphs
+    return llm, graphs
+
+
+def test_mixed_steps_through_the_pieces_give_the_eager_tokens(prompts, eager_outputs):
+    want = eager_outputs
+    llm, graphs = with_pieces(PoisonedTails)
     assert_same(generate(llm, prompts), want)
     # Steps went through the pieces (no whole-step graph on the CPU), some of them padded.
     assert graphs.steps > 0 and graphs.padded_steps > 0
@@ -85,18 +97,14 @@ def test_mixed_steps_through_the_pieces_give_the_eager_tokens(prompts):
     assert_same(generate(llm, prompts), want)
 
 
-def test_a_broken_hand_over_is_caught(prompts):
+def test_a_broken_hand_over_is_caught(prompts, eager_outputs):
     """Negative control: attention output left out of the pieces changes the tokens."""
-    want = generate(tiny(), prompts)
-    llm = tiny()
-    worker = llm.engine.executor.worker
-    graphs = PiecewiseGraphs(worker.model, worker.kv_caches, BATCHED_TOKENS, worker.device)
-    graphs.capture(eager_capture)
+    llm, graphs = with_pieces()
     for layer in graphs.layers:
         attend = layer.self_attn.attend
         layer.self_attn.attend = lambda *args, attend=attend: torch.zeros_like(attend(*args))
-    worker.piecewise = graphs
-    assert [o.token_ids for o in generate(llm, prompts)] != [o.token_ids for o in want]
+    assert [o.token_ids for o in generate(llm, prompts)] != \
+        [o.token_ids for o in eager_outputs]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
