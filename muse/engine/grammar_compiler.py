@@ -104,6 +104,14 @@ class GrammarCompiler:
                                                          strict_mode=False)
             if spec.kind == "json_schema":
                 return self.compiler.compile_json_schema(spec.schema, any_whitespace=False)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.schema)
+            if spec.kind == "grammar":
+                return self.compiler.compile_grammar(spec.schema)
+            if spec.kind == "choice":
+                # Each choice as an EBNF string literal: JSON's escapes are the grammar's.
+                return self.compiler.compile_grammar("root ::= " + " | ".join(
+                    json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.schema)))
             functions = [json.loads(t) for t in spec.tools]
             if not spec.forced:
                 return self.compiler.compile_structural_tag(

@@ -1,4 +1,5 @@
-"""What a constrained request's output must match: JSON, JSON Schema, or forced tool calls.
+"""What a constrained request's output must match: JSON, JSON Schema, a regular expression, an
+EBNF grammar, one of a list of strings, or tool calls.
 
 The spec travels inside SamplingParams from the front end to the engine, so it holds only JSON
 text and plain values. Its size and nesting depth are checked where it is built (a 400 before
@@ -44,7 +45,9 @@ class StructuredOutputError(InvalidRequestError):
 class StructuredOutput:
     """What the output must match.
 
-    kind "json": any JSON object; "json_schema": `schema`; "tool_calls": calls to `tools`
+    kind "json": any JSON object; "json_schema": `schema`; "regex": the regular expression
+    `schema`; "grammar": the EBNF grammar `schema` (xgrammar's, GBNF-like, from `root`);
+    "choice": one of the strings of the JSON list `schema`; "tool_calls": calls to `tools`
     (OpenAI function definitions) in the chat format `<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`. When `forced`, the reply is one call (or up to MAX_FORCED_TOOL_CALLS
     when `parallel`) and nothing else (`tool_choice` "required" or named). Otherwise (strict
@@ -59,18 +62,25 @@ class StructuredOutput:
     already ends with the end token, as when thinking is disabled).
     """
 
-    kind: Literal["json", "json_schema", "tool_calls"]
-    schema: str | None = None  # JSON text, so the spec stays hashable for the compile cache
+    kind: Literal["json", "json_schema", "regex", "grammar", "choice", "tool_calls"]
+    schema: str | None = None  # text, so the spec stays hashable for the compile cache
     tools: tuple[str, ...] = field(default_factory=tuple)  # JSON text of each function
     parallel: bool = False
     forced: bool = True
     reasoning_start_token_id: int | None = None
     reasoning_end_token_id: int | None = None
+    # The request field it came from, when not the kind's usual one (`field_name`).
+    param: str | None = None
 
     @property
     def field_name(self) -> str:
         """The request field a problem with this constraint is reported against."""
-        return "tools" if self.kind == "tool_calls" else "response_format"
+        if self.param is not None:
+            return self.param
+        if self.kind == "tool_calls":
+            return "tools"
+        return "response_format" if self.kind in ("json", "json_schema") \
+            else "structured_outputs"
 
     @property
     def grammar_key(self) -> StructuredOutput:
@@ -88,18 +98,42 @@ class StructuredOutput:
         """Size and depth limits, from the JSON text alone (no parsing, no recursion)."""
         texts = [self.schema] if self.schema is not None else list(self.tools)
         _check_size(sum(len(t.encode()) for t in texts), max_bytes, self.field_name)
-        for text in texts:
-            _check_depth(json_text_depth(text), self.field_name)
+        if self.kind in ("json_schema", "tool_calls"):
+            for text in texts:
+                _check_depth(json_text_depth(text), self.field_name)
 
     @staticmethod
-    def for_schema(schema: dict[str, Any], max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
-                   ) -> StructuredOutput:
-        _check_depth(nesting_depth(schema, MAX_SCHEMA_DEPTH), "response_format")
+    def for_schema(schema: dict[str, Any], max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                   param: str | None = None) -> StructuredOutput:
+        field_name = param or "response_format"
+        _check_depth(nesting_depth(schema, MAX_SCHEMA_DEPTH), field_name)
         # Keys keep the request's order: a schema's properties are written in their declared
         # order (as OpenAI's structured outputs do), so sorting them would change the output.
         text = json.dumps(bounded_strings_as_patterns(schema))
-        _check_size(len(text.encode()), max_bytes, "response_format")
-        return StructuredOutput("json_schema", schema=text)
+        _check_size(len(text.encode()), max_bytes, field_name)
+        return StructuredOutput("json_schema", schema=text, param=param)
+
+    @staticmethod
+    def for_text(kind: Literal["regex", "grammar"], text: str,
+                 max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                 param: str | None = None) -> StructuredOutput:
+        """A regular expression or an EBNF grammar the whole output must match."""
+        spec = StructuredOutput(kind, schema=text, param=param)
+        if not text:
+            raise StructuredOutputError(f"`{spec.field_name}` is empty", param=spec.field_name)
+        spec.check(max_bytes)
+        return spec
+
+    @staticmethod
+    def for_choice(choices: list[str], max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                   param: str | None = None) -> StructuredOutput:
+        """The output is exactly one of `choices` (non-empty strings)."""
+        spec = StructuredOutput("choice", schema=json.dumps(list(choices)), param=param)
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise StructuredOutputError(f"`{spec.field_name}` must be a list of non-empty "
+                                        "strings", param=spec.field_name)
+        spec.check(max_bytes)
+        return spec
 
     @staticmethod
     def for_tools(functions: list[dict[str, Any]], parallel: bool,

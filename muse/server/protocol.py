@@ -36,6 +36,19 @@ class ResponseFormat(OpenAIModel):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+class StructuredOutputsParams(OpenAIModel):
+    """vLLM's `structured_outputs` (an extra field): exactly one of a JSON schema (`json`, an
+    object or its JSON text), a regular expression, a list of strings to choose from, an
+    EBNF grammar, or any JSON object."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Any] = None  # refused: not supported
+
+
 class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
@@ -96,6 +109,13 @@ class SamplingFields(OpenAIModel):
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024)
     # vLLM's, for disaggregated serving (see muse.disagg): set by `muse router`.
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Structured output beside `response_format`: vLLM's `structured_outputs`, and the
+    # `guided_*` fields of its earlier versions.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         default_temperature: float = 1.0) -> SamplingParams:

@@ -8,6 +8,7 @@ JSON) are valid whatever the weights.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import defaultdict
 
@@ -549,6 +550,47 @@ def test_json_schema_output_of_a_completion_validates(client):
                                       extra_body={"response_format":
                                                   json_schema_format(PERSON_SCHEMA)})
     jsonschema.validate(json.loads(reply.choices[0].text), PERSON_SCHEMA)
+
+
+CHOICES = ["alpaca", "llama", "guanaco \"wild\"", "vicu\u00f1a"]
+
+
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+    ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    ({"structured_outputs": {"regex": "[a-z]{2,6}-[0-9]{3}"}},
+     lambda text: re.fullmatch("[a-z]{2,6}-[0-9]{3}", text)),
+    ({"guided_grammar": 'root ::= "pack of " [2-9] " " ("llamas" | "alpacas")'},
+     lambda text: re.fullmatch("pack of [2-9] (llamas|alpacas)", text)),
+    ({"structured_outputs": {"json": json.dumps(PERSON_SCHEMA)}},
+     lambda text: jsonschema.validate(json.loads(text), PERSON_SCHEMA) is None),
+], ids=["choice", "guided_choice", "regex", "guided_grammar", "json_text"])
+def test_vllm_structured_outputs_hold(client, extra, check):
+    """vLLM's `structured_outputs` and its earlier `guided_*` fields, in chat (thinking off:
+    the grammar holds from the first token) and completions."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=256,
+                                          seed=3, extra_body={**extra, **NO_THINKING})
+    assert chat.choices[0].finish_reason == "stop"
+    assert check(chat.choices[0].message.content)
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=256, seed=3,
+                                           extra_body=extra)
+    assert completion.choices[0].finish_reason == "stop"
+    assert check(completion.choices[0].text)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "response_format"),
+], ids=["bad-regex", "bad-grammar", "no-choices", "two-kinds", "bad-json", "two-fields"])
+def test_bad_structured_outputs_are_a_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                       extra_body=extra)
+    assert error.value.body["param"] == param
 
 
 # Seeds whose random-weight replies close their object within max_tokens (the others write a
