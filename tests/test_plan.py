@@ -124,3 +124,13 @@ def test_layer_timings_of_a_sharded_layer_give_one_gpu_efficiencies():
                                            "matmul_flops": 8 * 790e12}}
     assert efficiencies_from_layer_timings(eight) == pytest.approx(
         efficiencies_from_layer_timings(one))
+
+
+def test_fp8_weights_need_two_nodes_of_h100s():
+    """816B parameters in FP8 are over 800 GB: more than eight 80 GB H100s hold, within
+    sixteen with pipeline stages."""
+    config = get_preset(OPEN)
+    assert not project(config, TP8_EP, GPUS["h100"], "fp8").fits
+    two_nodes = ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=2,
+                               enable_expert_parallel=True)
+    assert project(config, two_nodes, GPUS["h100"], "fp8").fits

@@ -25,6 +25,8 @@ class GpuSpec:
 
 
 GPUS = {
+    # Hopper, SXM: HBM3 80 GB at 3.35 TB/s; NVLink 4, 900 GB/s both ways.
+    "h100": GpuSpec("H100", 80, 3.35, 989, 1979, None, 450),
     # Hopper: HBM3e 141 GB at 4.8 TB/s; the H100's tensor cores; NVLink 4, 900 GB/s both ways.
     "h200": GpuSpec("H200", 141, 4.8, 989, 1979, None, 450),
     # Blackwell (HGX B200: 1.4 TB over 8 GPUs; 72 PF dense FP4 per 8); NVLink 5, 1.8 TB/s.
