@@ -4,8 +4,8 @@ per-expert norm and the combine.
 A batch-1 decode step runs the experts as three kernels a layer (`moe_triton.fused_experts`
 with one pair per block), and each boundary costs the GPU a drain and a ramp-up: GEMM 2 waits
 for the last GEMM 1 tile of every pair, the combine for the last GEMM 2 tile. Here a grid of
-at most one program per SM works through a list of items, program p taking items p, p + P,
-p + 2P, ... in order:
+at most `PROGRAMS_PER_SM` programs per SM (2 unless set) works through a list of items,
+program p taking items p, p + P, p + 2P, ... in order:
 
 1. (pair, tile of I): h[pair, tile] = silu(x . gate_e) * (x . up_e), then the pair's
    counter is incremented;
@@ -18,8 +18,9 @@ So a pair's GEMM 2 starts as soon as its own h is complete, while other pairs' G
 still stream. An item waits only for lower items, and a program waiting at a GEMM 2 item has
 done all its GEMM 1 items, so the programs it waits for are at GEMM 1 items, which never
 wait (likewise for the combine): no deadlock once every program is resident, which a grid of
-at most one program per SM is (with PDL the next kernel is launched only after each of these
-programs has started). Under Triton's interpreter, which runs programs one after another,
+a few programs per SM is while their registers fit the SM's together (with PDL the next
+kernel is launched only after each of these programs has started). Only one launch may run
+at a time (one counter buffer per device; the engine runs its kernels on one stream). Under Triton's interpreter, which runs programs one after another,
 the grid is one program. The last program to leave sets every counter back to zero for the
 next launch (and for graph replays).
 
@@ -42,6 +43,10 @@ from muse.kernels.pdl import pdl_options, start_dependent_kernel
 # Off until timed on the H200 against the three launches it replaces (`MUSE_MOE_PERSISTENT=1`
 # turns it on for the decode steps it can serve).
 PERSISTENT_MOE_ON = os.environ.get("MUSE_MOE_PERSISTENT", "0") == "1"
+# Programs launched per SM (all must be resident at once: the waits rely on it). One program
+# of 4 warps keeps few loads in flight; its registers (144 a thread at the proxy widths, 255
+# at L = 7168, from the sm_90 compile) leave room for two or three.
+PROGRAMS_PER_SM = int(os.environ.get("MUSE_MOE_PERSISTENT_PROGRAMS_PER_SM", "2"))
 # Pairs and tokens a launch may hold (the counters' room); decode steps are well within.
 MAX_PAIRS = 64
 BLOCK_N1, BLOCK_N2, BLOCK_K = 16, 32, 128
@@ -189,10 +194,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _programs(device: torch.device, items: int) -> int:
-    """One program per SM at most, each looping over its items; under the interpreter, which
-    runs programs one after another, one (a second would wait for the first's later items)."""
-    if device.type == "cuda":
-        return min(items, torch.cuda.get_device_properties(device).multi_processor_count)
+    """`PROGRAMS_PER_SM` programs per SM at most, each looping over its items; under the
+    interpreter, which runs programs one after another (also with CUDA tensors), one: a
+    second would wait for the first's later items."""
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(items, sms * PROGRAMS_PER_SM)
     return 1
 
 
@@ -224,7 +231,8 @@ def persistent_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch
     y = torch.empty(num_pairs, latent, dtype=torch.float32, device=x.device)
     tiles1, tiles2 = triton.cdiv(inter, BLOCK_N1), triton.cdiv(latent, BLOCK_N2)
     items = num_pairs * (tiles1 + tiles2) + num_tokens
-    norm = norm_weight if norm_weight is not None else y
+    # The kernel reads the norm's rows with unit stride (a copy only when they have another).
+    norm = norm_weight.contiguous() if norm_weight is not None else y
     _persistent_experts_kernel[(_programs(x.device, items),)](
         x, weights, ids, gate_up, down, norm, h, y, out, _counters(x.device), num_tokens, eps,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1),

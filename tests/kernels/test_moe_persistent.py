@@ -91,3 +91,16 @@ def test_graph_replays_with_new_routing_on_many_programs() -> None:
     assert_graph_follows_routing(persistent.persistent_experts, moe, num_tokens=3,
                                  seeds=(7, 8, 9, 10))
     assert not persistent._counters(moe.gate.weight.device).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled, many programs")
+def test_many_items_per_program_match_the_three_launches() -> None:
+    """Far more work items than programs (about 3,600 over two programs an SM), so each
+    program runs GEMM 1 tiles, then GEMM 2 tiles that wait for other programs' GEMM 1."""
+    moe = make_moe(16, 8, latent=2048, inter=768, norm=True, dtype=torch.bfloat16, seed=5)
+    x = make_tokens(moe, 4, chosen=None, seed=6)
+    with torch.no_grad():
+        three, _ = run_fused(lambda *a: fused_experts_triton(*a, one_pair_per_block=True),
+                             moe, x)
+        assert_close(_run(moe, x), three, torch.bfloat16)
+    assert not persistent._counters(x.device).any()
