@@ -23,7 +23,8 @@ take the step's tokens and positions; rows n..T-1 keep whatever an earlier step 
 there (valid token ids and positions) and the attention output's padding rows are zeroed,
 so they go through the pieces as finite values and are never read: every operation in a
 piece is row by row (norms, products, routing, experts), and attention only reads the real
-rows. Not used for steps with LoRA adapters, media embeddings, per-layer
+rows. The padded count may still change how real rows round (the experts' kernels group
+tokens by expert and pick tiles from the count), as a different batch would. Not used for steps with LoRA adapters, media embeddings, per-layer
 hooks, FP8 scale calculation, context parallelism or a drafter's captured layers (those
 run eagerly), nor with several ranks (no graph is captured there yet).
 """
@@ -83,6 +84,8 @@ class PiecewiseGraphs:
         for size in reversed(self.buckets):
             self.pieces[size] = [capture(self._piece(size, index))
                                  for index in range(len(self.layers) + 1)]
+        if self.input_ids.is_cuda:
+            torch.cuda.synchronize(self.input_ids.device)
         logger.info("captured piecewise CUDA graphs (%d pieces each) for %s tokens in %.1f s",
                     len(self.layers) + 1, ", ".join(map(str, self.buckets)),
                     time.perf_counter() - start)
@@ -96,9 +99,7 @@ class PiecewiseGraphs:
         self.input_ids[:count].copy_(input_ids)
         self.positions[:count].copy_(meta.positions)
         buffers = self.buffers
-        # Attention writes only the real rows; the padding rows see zeros (not what an
-        # earlier step left), so nothing a row computes can overflow.
-        buffers["attended"][count:size].zero_()
+        self._clear_padding(count, size)
         pieces[0]()
         for index, (layer, kv_cache) in enumerate(zip(self.layers, self.kv_caches)):
             attended = layer.self_attn.attend(buffers["q"][:count], buffers["k"][:count],
@@ -107,6 +108,12 @@ class PiecewiseGraphs:
             pieces[index + 1]()
         self.steps += 1
         return buffers["hidden"][:count]
+
+    def _clear_padding(self, count: int, size: int) -> None:
+        """Attention writes only the real rows; the padding rows see zeros (not what an
+        earlier step left), so nothing they compute can overflow to inf or NaN (a NaN row
+        would still route to experts that exist, but zeros keep the pieces' work finite)."""
+        self.buffers["attended"][count:size].zero_()
 
     # ---- the pieces ----------------------------------------------------------------------
     def _piece(self, size: int, index: int) -> Callable[[], None]:

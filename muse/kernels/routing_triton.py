@@ -46,6 +46,9 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr,
         best = tl.max(scores, axis=0)
         # Lowest id among the maxima: the order of a stable descending sort.
         best_id = tl.min(tl.where(scores == best, experts, BLOCK_E), axis=0)
+        # A row of NaN (a graph's padding row gone bad) matches no maximum: an id past the
+        # experts would index out of bounds downstream, so it takes the last one instead.
+        best_id = tl.minimum(best_id, num_experts - 1)
         top_weights = tl.where(slots == slot, best, top_weights)
         top_ids = tl.where(slots == slot, best_id.to(tl.int64), top_ids)
         scores = tl.where(experts == best_id, -1.0, scores)

@@ -126,6 +126,19 @@ def test_padding_lanes_and_strides() -> None:
         check_kernel(logits[:1], 60, scoring, normalize=False)  # k = E: all, in order
 
 
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_a_row_of_nan_still_names_experts_that_exist(scoring: str) -> None:
+    """A NaN row (a CUDA graph's padding row gone bad) must not give an id past the experts,
+    which the expert kernels would index out of bounds; finite rows beside it are unchanged."""
+    logits = make_logits(3, 60, torch.float32, seed=5)
+    poisoned = logits.clone()
+    poisoned[1] = float("nan")
+    _, ids = route_topk_triton(poisoned, 8, scoring, normalize=True)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 60
+    _, clean = route_topk_triton(logits, 8, scoring, normalize=True)
+    assert torch.equal(ids[[0, 2]], clean[[0, 2]])
+
+
 def test_empty_and_invalid_arguments() -> None:
     logits = torch.empty(0, 8, device=DEVICE)
     for fn in (route_topk_torch, route_topk_triton):
