@@ -30,7 +30,8 @@ from benchmarks.report import environment, write_json  # noqa: E402
 from muse.engine.sampling_params import SamplingParams  # noqa: E402
 from muse.presets import PRESETS  # noqa: E402
 
-MODES = {"graphs": {}, "piecewise": {"enable_piecewise_cuda_graph": True}}
+MODES = {"graphs": {"enable_piecewise_cuda_graph": False},
+         "piecewise": {"enable_piecewise_cuda_graph": True}}
 
 
 def run_workload(llm, prompts: list[list[int]], output_len: int) -> tuple[float, int, list]:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     engines = {}
     for mode, extra in MODES.items():
-        llm, info = build_muse(args.shape, device, dtype, gpu_memory_utilization=0.4,
+        llm, info = build_muse(args.shape, device, dtype, kv_cache_memory_bytes=8 * 2**30,
                                max_num_seqs=args.requests,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                enable_prefix_caching=False,  # every run prefills anew
