@@ -282,9 +282,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="one-request prefill steps of up to this many tokens replay "
                              "captured CUDA graphs (padded to the next of 16, 24, 32, 48, ...); "
                              "0: they run eagerly")
-    parser.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+    parser.add_argument("--enable-piecewise-cuda-graph", action=argparse.BooleanOptionalAction,
+                        default=True,
                         help="steps no whole-step graph covers replay every layer's work but "
-                             "attention from CUDA graphs (default: off)")
+                             "attention from CUDA graphs (default: on)")
     parser.add_argument("--speculative-config", default=None,
                         help="speculative decoding as JSON, vLLM's names, e.g. "
                              "'{\"method\": \"dspark\"}' for the shipped drafter "

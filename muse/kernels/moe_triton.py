@@ -14,8 +14,7 @@ Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
   Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
   call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
   instead of those three after a dozen tiny torch ops, which is what a decode step's time is
-  made of. With `MUSE_MOE_PERSISTENT=1` dense weights take one persistent launch instead
-  (`muse.kernels.moe_persistent_triton`).
+  made of.
 
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
@@ -37,7 +36,6 @@ import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
-from muse.kernels.moe_persistent_triton import persistent_experts, takes_persistent_experts
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
@@ -485,9 +483,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if one_pair_per_block is None:
         one_pair_per_block = use_one_pair_per_block(
             num_pairs, num_experts, _stored_bytes(gate_up) + _stored_bytes(down))
-        if one_pair_per_block and tiles is None and takes_persistent_experts(
-                x, gate_up, down, num_pairs, reduce_pairs):
-            return persistent_experts(x, weights, expert_ids, gate_up, down, norm_weight, eps)
 
     # The kernels index expert_ids and weights as flat [T*k] arrays. route's outputs already
     # are contiguous, weights float32: then nothing is copied (no torch op runs at all).

@@ -105,8 +105,8 @@ class LinearBase(nn.Module):
 
     def plain_weight(self) -> torch.Tensor | None:
         """This rank's weight when the layer's output is x @ W^T and nothing else: unquantized,
-        no bias, no adapters, no gather or reduce after it. A caller that fuses work into the
-        product (`muse.kernels.norm_linear`) may then compute it itself; None otherwise."""
+        no bias, no adapters, no gather or reduce after it. A caller that merges products (the
+        MoE's stacked input product) may then compute it itself; None otherwise."""
         plain = (isinstance(self.quant_method, UnquantizedLinearMethod) and self.bias is None
                  and self.lora is None and not isinstance(self, RowParallelLinear)
                  and not (getattr(self, "gather_output", False) and self.tp_size > 1))

@@ -95,18 +95,12 @@ class EngineAttention(nn.Module):
             amax = values.abs().amax().float()
             target.copy_(torch.where(amax > 0, amax / divisor, 1.0).expand_as(target))
 
-    def input_weight(self) -> torch.Tensor | None:
-        """The q/k/v projection's weight when it is a plain product (`plain_weight`)."""
-        return self.qkv_proj.plain_weight()
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                projected: torch.Tensor | None = None
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k (normed per head and rotated) and v of the step's tokens: the part of the
-        block that reads no metadata (piecewise graphs capture it). `projected`: x @
-        input_weight()^T, when the caller computed it (with the norm). The layer applies
+        block that reads no metadata (piecewise graphs capture it). The layer applies
         `o_proj` to `attend`'s output."""
-        q, k, v = self.qkv_proj.split(projected if projected is not None else self.qkv_proj(x))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q_norm, k_norm = self.q_norm, self.k_norm
         q, k = self.backend.qk_norm_rope(
             q, k, q_norm.weight if q_norm is not None else None,

@@ -4,9 +4,7 @@ Built from `muse.layers`, which own how their parameters are sharded and loaded,
 kernels of the backends chosen at build time (`muse.kernels.backends`). Parameter names are
 the checkpoint's, except where projections are fused (`qkv_proj`, `gate_up_proj`); the loader
 (`muse.model.loader`) routes checkpoint tensors to them. The residual stream is carried beside
-the layer output, so each norm also does the residual add before it in one kernel; in a
-one-row step (batch-1 decode) the norm also hands its row to the product after it in one call
-(`norm_linear`: a single kernel on a GPU with `MUSE_NORM_GEMV=1`). The
+the layer output, so each norm also does the residual add before it in one kernel. The
 reference decoder (`muse.reference`) computes the same function and is the tests' oracle.
 """
 
@@ -23,7 +21,6 @@ from muse.config import LAYER_TYPES, TextConfig
 from muse.distributed.parallel_state import get_pcp_group, get_pp_group
 from muse.kernels.attention_metadata import BatchMetadata
 from muse.kernels.backends import ModelBackends
-from muse.kernels.norm_linear import norm_linear
 from muse.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from muse.layers.norm import RMSNorm
 from muse.layers.quantization import QuantizationConfig
@@ -78,9 +75,9 @@ class EngineDecoderLayer(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v, residual): the norm and the attention's projections, which read no
         metadata (a piece of a piecewise graph)."""
-        h, residual, qkv = self._norm(x, residual, self.input_layernorm, self.self_attn)
+        h, residual = self._norm(x, residual, self.input_layernorm)
         cos, sin = rotary[self.layer_type]
-        q, k, v = self.self_attn.project(h, cos, sin, projected=qkv)
+        q, k, v = self.self_attn.project(h, cos, sin)
         return q, k, v, residual
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor,
@@ -88,27 +85,18 @@ class EngineDecoderLayer(nn.Module):
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual) from the attention's output before `o_proj`."""
         h = self.self_attn.o_proj(attended)
-        h, residual, projected = self._norm(h, residual, self.post_attention_layernorm,
-                                            self.mlp)
+        h, residual = self._norm(h, residual, self.post_attention_layernorm)
         if self.is_moe:
-            return self.mlp(h, dp_num_tokens, projected=projected), residual
-        return self.mlp(h, projected=projected), residual
+            return self.mlp(h, dp_num_tokens), residual
+        return self.mlp(h), residual
 
-    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-              block: EngineAttention | EngineMoE | EngineMLP
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(normed, residual, the block's input product or None). For a one-row step whose
-        block reads its input through plain products, the product is computed with the norm
-        (`norm_linear`: one kernel on a GPU with `MUSE_NORM_GEMV=1`)."""
-        weight = block.input_weight() if x.shape[0] == 1 else None
-        if weight is not None:
-            projected, h, residual = norm_linear(x, residual, norm.weight, norm.eps, weight,
-                                                 self.norms.rms_norm, self.norms.add_rms_norm)
-            return h, residual, projected
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, residual): the residual added first, except in the first layer, whose input
+        is the whole residual stream."""
         if residual is None:
-            return self.norms.rms_norm(x, norm.weight, norm.eps), x, None
-        h, residual = self.norms.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return h, residual, None
+            return self.norms.rms_norm(x, norm.weight, norm.eps), x
+        return self.norms.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:

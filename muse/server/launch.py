@@ -109,10 +109,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="one-request prefill steps of up to this many tokens replay captured CUDA graphs "
              "(padded to the next of 16, 24, 32, 48, ...); 0: they run eagerly (default: "
              f"{EngineArgs.prefill_graph_max_tokens})")
-    add("--enable-piecewise-cuda-graph", action="store_true",
+    add("--enable-piecewise-cuda-graph", action=argparse.BooleanOptionalAction,
+        default=EngineArgs.enable_piecewise_cuda_graph,
         help="steps no whole-step graph covers (several prefills, prefills with decodes) "
              "replay every layer's work but attention from CUDA graphs captured per token "
-             "count (SGLang's flag; not with LoRA or a drafter) (default: off)")
+             "count (SGLang's flag; not with LoRA or a drafter) (default: on)")
     add("--piecewise-cuda-graph-max-tokens", type=int,
         default=EngineArgs.piecewise_cuda_graph_max_tokens,
         help="the largest step the piecewise graphs take (token counts 16, 24, 32, 48, ... "
