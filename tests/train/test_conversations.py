@@ -153,8 +153,10 @@ def test_tool_calls_copy_the_request_and_fit_their_schema() -> None:
                 assert str(value) in case.request
             offered = tools.offered_tools(rng, name)
             user, call, result, answer = tools.exchange(case, offered)
-            # The reasoning lists the offered tools in order, then names the one called.
+            # The reasoning restates the request, lists the offered tools in order, then
+            # names the one called.
             reasoning = call["reasoning_content"]
+            assert reasoning.startswith(tools.asks(tools.REQUESTED_ACTIONS[name]) + " The tool")
             listed = [reasoning.index(f'"{schema["function"]["name"]}"') for schema in offered]
             assert listed == sorted(listed)
             assert reasoning.endswith(f'I should call "{name}".')
@@ -188,7 +190,8 @@ def test_a_request_whose_tool_is_not_offered_is_declined_after_reading_the_list(
             continue  # a call, or a direct answer to a request that needs no tool
         declined += 1
         assert missing not in offered and missing != "add_numbers"
-        assert reasoning.startswith(tools.offered_names(offered))
+        assert reasoning.startswith(
+            f"{tools.asks(tools.ACTIONS[missing])} {tools.offered_names(offered)}")
         assert tools.ACTIONS[missing] in first["content"]
     assert 25 <= declined <= 60, declined  # MISSING_SHARE of 400
 

@@ -259,13 +259,24 @@ ACTIONS: dict[str, str] = {
     "get_stock_price": "look up a stock price", "send_email": "send an email",
 }
 MISSING_SHARE = 0.1
+# What each tool's request asks for, as the reasoning restates it before listing the offered
+# tools (the unseen tools' procedure): the choice then compares the request's action with the
+# names written right before it. A probe of run 9's data without it (the list alone) chose
+# first-version tools worse than version 1 did (docs/training.md).
+REQUESTED_ACTIONS: dict[str, str] = {**ACTIONS, "add_numbers": "add numbers"}
+
+
+def asks(action: str) -> str:
+    """The reasoning's first sentence, the request restated (as for the unseen tools)."""
+    return f"The user asks to {action}."
 
 
 def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer: str
                       ) -> dict[str, Any]:
     """The assistant turn for a request whose tool (`case.name`) is not among `offered`."""
     names = [schema["function"]["name"] for schema in offered]
-    reasoning = f"{offered_names(names)} {none_can(len(names), ACTIONS[case.name])}"
+    action = ACTIONS[case.name]
+    reasoning = f"{asks(action)} {offered_names(names)} {none_can(len(names), action)}"
     return {"role": "assistant", "reasoning_content": reasoning, "content": answer}
 
 
@@ -331,12 +342,13 @@ def offered_names(names: Sequence[str]) -> str:
 
 
 def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant turn that makes the call: its reasoning lists the `offered` schemas'
-    names, then names the one it calls (the procedure of the unseen tools, so that any tool
-    list is read the same way)."""
+    """The assistant turn that makes the call: its reasoning restates the request, lists the
+    `offered` schemas' names, then names the one it calls (the procedure of the unseen tools,
+    so that any tool list is read the same way)."""
     names = [schema["function"]["name"] for schema in offered]
-    return {"role": "assistant",
-            "reasoning_content": f"{offered_names(names)} I should call {quoted(case.name)}.",
+    reasoning = (f"{asks(REQUESTED_ACTIONS[case.name])} {offered_names(names)} "
+                 f"I should call {quoted(case.name)}.")
+    return {"role": "assistant", "reasoning_content": reasoning,
             "content": "", "tool_calls": [{"type": "function", "function": {
                 "name": case.name, "arguments": case.arguments}}]}
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import function_schema, none_can, offered_names, quoted
+from muse.train.data.tools import asks, function_schema, none_can, offered_names, quoted
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up words, or as common words, rather than from the word lists.
@@ -536,7 +536,7 @@ def reasoning(case: UnseenToolCase) -> str:
     """
     action = case.requested.action
     names = offered_names([tool.name for tool in case.offered])
-    offered = f"The user asks to {action}. {names}"
+    offered = f"{asks(action)} {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
     return f"{offered} {none_can(len(case.offered), action)}"
