@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 from muse.chat_format import ASSISTANT_ID, SPECIAL_TOKENS, THINK_END_ID, THINK_START_ID, \
@@ -26,8 +23,8 @@ from muse.multimodal.media import DEFAULT_LIMIT_MM_PER_PROMPT, DEFAULT_VIDEO_FPS
 from muse.server.errors import APIError
 from muse.server.json_body import json_strings
 from muse.server.messages import EngineReady, MediaArray
-from muse.server.protocol import ChatCompletionRequest, CompletionRequest, MMProcessorKwargs, \
-    ResponseFormat, SamplingFields, StructuredOutputsParams
+from muse.server.output_constraints import invalid_request_as_400, structured_output_for
+from muse.server.protocol import ChatCompletionRequest, CompletionRequest, MMProcessorKwargs
 
 # A chat reply keeps the tags its parsers read and drops the other special tokens.
 CHAT_HIDDEN_TOKEN_IDS = frozenset(range(len(SPECIAL_TOKENS))) - {
@@ -72,90 +69,6 @@ class ServerOptions:
 def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
     """A few MB above the longest prompt the model accepts, as text or as token ids."""
     return 4 * 2**20 + max_model_len * max(8, max_token_bytes)
-
-
-def structured_output_for(request: SamplingFields, ready: EngineReady
-                          ) -> StructuredOutput | None:
-    """The request's constraint: `response_format`, or vLLM's `structured_outputs`, or one
-    of its earlier `guided_*` fields (at most one of them)."""
-    given = {name: value for name, value in (
-        ("response_format", _response_format(request)),
-        ("structured_outputs", request.structured_outputs),
-        *((f"guided_{kind}", getattr(request, f"guided_{kind}"))
-          for kind in ("json", "regex", "choice", "grammar"))) if value is not None}
-    if len(given) > 1:
-        raise APIError(400, f"give one way to constrain the output, not {sorted(given)}",
-                       param=sorted(given)[1])
-    if not given:
-        return None
-    [(name, value)] = given.items()
-    with invalid_request_as_400():
-        if name == "response_format":
-            return _from_response_format(value, ready)
-        if name == "structured_outputs":
-            return _from_structured_outputs(value, ready)
-        kind = name.removeprefix("guided_")
-        return _constraint(kind, value, name, ready)
-
-
-def _response_format(request: SamplingFields) -> ResponseFormat | None:
-    form = getattr(request, "response_format", None)
-    return None if form is None or form.type == "text" else form
-
-
-def _from_response_format(response_format: ResponseFormat, ready: EngineReady
-                          ) -> StructuredOutput:
-    if response_format.type == "json_object":
-        return StructuredOutput("json")
-    if response_format.json_schema is None or not response_format.json_schema.schema_:
-        raise APIError(400, "`response_format.json_schema.schema` is required for type "
-                            "json_schema", param="response_format.json_schema")
-    return StructuredOutput.for_schema(response_format.json_schema.schema_,
-                                       max_bytes=ready.max_grammar_bytes)
-
-
-def _from_structured_outputs(params: StructuredOutputsParams, ready: EngineReady
-                             ) -> StructuredOutput:
-    if params.structural_tag is not None:
-        raise APIError(400, "`structured_outputs.structural_tag` is not supported",
-                       param="structured_outputs.structural_tag")
-    given = {kind: value for kind, value in (
-        ("json", params.json_), ("regex", params.regex), ("choice", params.choice),
-        ("grammar", params.grammar), ("json_object", params.json_object or None))
-        if value is not None}
-    if len(given) != 1:
-        raise APIError(400, "`structured_outputs` takes exactly one of json, regex, choice, "
-                            f"grammar and json_object; got {sorted(given) or 'none'}",
-                       param="structured_outputs")
-    [(kind, value)] = given.items()
-    return _constraint(kind, value, f"structured_outputs.{kind}", ready)
-
-
-def _constraint(kind: str, value: Any, param: str, ready: EngineReady) -> StructuredOutput:
-    """A schema (an object or its JSON text), a regex, choices or a grammar, from `param`."""
-    limit = ready.max_grammar_bytes
-    if kind == "json_object":
-        return StructuredOutput("json", param=param)
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise APIError(400, f"`{param}` is not valid JSON", param=param) from None
-        if not isinstance(value, dict):
-            raise APIError(400, f"`{param}` must be a JSON schema object", param=param)
-        return StructuredOutput.for_schema(value, limit, param=param)
-    if kind == "choice":
-        return StructuredOutput.for_choice(value, limit, param=param)
-    return StructuredOutput.for_text(kind, value, limit, param=param)
-
-
-@contextmanager
-def invalid_request_as_400() -> Iterator[None]:
-    try:
-        yield
-    except InvalidRequestError as error:
-        raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
 
 def check_model(requested: str | None, options: ServerOptions) -> None:
