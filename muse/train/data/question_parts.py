@@ -41,7 +41,10 @@ IMAGE_FORMS: dict[str, tuple[str, ...]] = {
               "What form does {thing} have{where}?", "Name the kind of {thing}{where}.",
               "What sort of shape is {thing}{where}?", "Tell me what shape {thing} is.",
               "Is {thing} a circle, a square or another shape?",
-              "Which geometric figure is {thing}{where}?", "Identify {thing}'s shape."),
+              "Which geometric figure is {thing}{where}?", "Identify {thing}'s shape.",
+              # "What is" asks what the thing is: a question that names a place is not
+              # always asking where (that is "where is").
+              "What is {thing}{where}?", "What exactly is {thing}{where}?"),
     "count": ("How many shapes are there{where}?", "How many objects do you count{where}?",
               "Count the figures{where}.", "What is the number of items{where}?",
               "Give me the number of shapes{where}.", "How many things are drawn{where}?",
@@ -78,6 +81,11 @@ VIDEO_FORMS: dict[str, tuple[str, ...]] = {
                   "Which direction does {thing} drift{where}?",
                   "Tell me the direction {thing} moves in{where}.",
                   "Does {thing} go left, right, up or down{where}?",
+                  # The directions offered decide the kind, whatever the sentence names.
+                  "Is {thing} moving left, right, up or down{where}?",
+                  "Does {thing} move up, down, left or right{where}?",
+                  "Left, right, up or down: which way does {thing} move{where}?",
+                  "Does {thing} move to the left, to the right, up or down{where}?",
                   "Say which way {thing} is going{where}.",
                   "Name the direction in which {thing} moves{where}."),
     "shape": ("What shape is {thing}{where}?", "Which kind of shape is {thing}{where}?",
