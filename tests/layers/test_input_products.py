@@ -70,33 +70,3 @@ def test_an_adapted_layer_keeps_its_own_product() -> None:
     assert moe.stacked_input_weight() is None
     moe.pooler.lora = None
     assert moe.stacked_input_weight() is not None
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [5, 4096])
-def test_routing_on_the_side_stream_equals_one_stream(monkeypatch: pytest.MonkeyPatch,
-                                                      rows: int) -> None:
-    """Several rows route on a second stream beside the pooler's product: the same kernels
-    on the same inputs, so the same bits, eagerly and replayed from a CUDA graph."""
-    import muse.kernels.side_stream as side
-
-    from tests.kernels.graph_capture import capture
-
-    device = torch.device("cuda")
-    config = get_preset("muse-spark-tiny").text_config
-    moe = EngineMoE(config, select_backends(device).moe, torch.bfloat16, "mlp").to(device)
-    _fill(moe, seed=0)
-    x = randn(rows, config.hidden_size, seed=4).to(device, torch.bfloat16)
-    monkeypatch.setattr(side, "SIDE_STREAM_ON", False)
-    one_stream = moe(x)
-    monkeypatch.setattr(side, "SIDE_STREAM_ON", True)
-    with side.side_stream(device) as join:  # the switch does fork
-        assert torch.cuda.current_stream() != torch.cuda.default_stream()
-    join()
-    assert torch.equal(moe(x), one_stream)
-    static = x.clone()
-    graph, out = capture(lambda: moe(static))
-    static.copy_(randn(rows, config.hidden_size, seed=5))
-    graph.replay()
-    monkeypatch.setattr(side, "SIDE_STREAM_ON", False)
-    assert torch.equal(out, moe(static))
