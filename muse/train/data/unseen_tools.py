@@ -23,11 +23,16 @@ closer), hundreds of shapes, none holding a held-out phrasing's text around the 
 A vocabulary of a few dozen words would be learnt by heart, and a model that knows the names
 never needs to read them from the schema: so training also draws most words from elsewhere, a
 share (MADE_UP_SHARE) made-up words of one to three syllables that may start with any letter,
-from a space of millions, and a share (COMMON_WORD_SHARE) everyday words of the Python
-standard library (`muse/assets/tool_words.txt`, without the held-out words), so that names are
-spelled with every letter and every kind of word piece the tokenizer makes; it also gives the
-first version's tool names (`get_weather`, ...) made-up argument names, so that what a name is
-called is always read from the offered schema and the request.
+from a space of millions, a share (COMMON_WORD_SHARE) everyday words of the Python standard
+library (`muse/assets/tool_words.txt`, without the held-out words), and a share
+(PIECE_WORD_SHARE) words strung together from the tokenizer's own letter pieces
+(`piece_word`). A model copies a name token by token, and a token it never wrote in a name it
+does not write when copying one ("trailer" is "tr" + "ailer": a model that never wrote "ailer"
+copies "trggle"); syllables and everyday words reach only part of the vocabulary, the pieces
+reach all of it. Held-out words stay unseen as words (no training word equals one), while
+their pieces are written like every other piece. It also gives the first version's tool names
+(`get_weather`, ...) made-up argument names, so that what a name is called is always read
+from the offered schema and the request.
 
 The assistant's reasoning repeats the action, lists the offered tools' names in order and then
 names the one it calls, or says that none of them can do the action: the decision compares
@@ -41,6 +46,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +56,13 @@ from muse.train.data.tools import asks, function_schema, none_can, offered_names
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up words, or as common words, rather than from the word lists.
-MADE_UP_SHARE = 0.3
-COMMON_WORD_SHARE = 0.3
-COMMON_WORDS_FILE = Path(__file__).resolve().parents[2] / "assets" / "tool_words.txt"
+MADE_UP_SHARE = 0.2
+PIECE_WORD_SHARE = 0.2
+COMMON_WORD_SHARE = 0.25
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+COMMON_WORDS_FILE = ASSETS / "tool_words.txt"
+# The tokenizer every training run uses (`MuseTokenizer.base()`): its pieces make `piece_word`s.
+TOKENIZER_FILE = ASSETS / "tokenizer.json"
 # Training tools that take a name of the first version's tools, with made-up arguments.
 FAMILIAR_NAME_SHARE = 0.1
 FAMILIAR_NAMES = (("get", "weather"), ("add", "numbers"), ("search", "files"),
@@ -325,6 +335,29 @@ def made_up_word(rng: random.Random) -> str:
 
 
 @functools.cache
+def word_pieces() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tokenizer's pieces of two or more lowercase letters: those that start a word (a
+    leading space, "Ġ" in byte-level BPE, removed) and those inside one. Pieces that repeat
+    a letter three times ("zzzzzzzz", padding in source files) are left out."""
+    vocabulary = json.loads(TOKENIZER_FILE.read_text())["model"]["vocab"]
+    starts, insides = [], []
+    for piece in sorted(vocabulary):
+        letters = piece.removeprefix("\u0120")
+        if re.fullmatch(r"[a-z]{2,}", letters) and not re.search(r"(.)\1\1", letters):
+            (starts if letters != piece else insides).append(letters)
+    return tuple(starts), tuple(insides)
+
+
+def piece_word(rng: random.Random) -> str:
+    """One or two of the tokenizer's letter pieces run together ("tr" + "ailer"),
+    the first a word-starting piece or an inner one alike, so that training names write
+    every piece, whichever way a name's letters are cut."""
+    starts, insides = word_pieces()
+    first = rng.choice(starts if rng.random() < 0.5 else insides)
+    return first + "".join(rng.choice(insides) for _ in range(rng.randint(0, 1)))
+
+
+@functools.cache
 def common_words() -> tuple[str, ...]:
     """The everyday words of `COMMON_WORDS_FILE` (none of them a held-out name word)."""
     return tuple(COMMON_WORDS_FILE.read_text().split())
@@ -337,12 +370,17 @@ def _held_out_words() -> frozenset[str]:
 
 
 def _word(rng: random.Random, words: tuple[str, ...], split: str) -> str:
-    """A word of `split`'s list, or in training often a made-up or a common one (never a
-    word the held-out cases use)."""
+    """A word of `split`'s list, or in training often a made-up, a pieced or a common one
+    (never a word the held-out cases use)."""
     if split == TRAIN:
         draw = rng.random()
-        while draw < MADE_UP_SHARE + COMMON_WORD_SHARE:
-            word = made_up_word(rng) if draw < MADE_UP_SHARE else rng.choice(common_words())
+        while draw < MADE_UP_SHARE + PIECE_WORD_SHARE + COMMON_WORD_SHARE:
+            if draw < MADE_UP_SHARE:
+                word = made_up_word(rng)
+            elif draw < MADE_UP_SHARE + PIECE_WORD_SHARE:
+                word = piece_word(rng)
+            else:
+                word = rng.choice(common_words())
             if word not in _held_out_words():
                 return word
             draw = rng.random()
