@@ -56,9 +56,9 @@ from muse.train.data.tools import asks, function_schema, none_can, offered_names
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up words, or as common words, rather than from the word lists.
-MADE_UP_SHARE = 0.2
-PIECE_WORD_SHARE = 0.2
-COMMON_WORD_SHARE = 0.25
+MADE_UP_SHARE = 0.15
+PIECE_WORD_SHARE = 0.3
+COMMON_WORD_SHARE = 0.2
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 COMMON_WORDS_FILE = ASSETS / "tool_words.txt"
 # The tokenizer every training run uses (`MuseTokenizer.base()`): its pieces make `piece_word`s.
