@@ -1,0 +1,56 @@
+"""scripts/unseen_tool_pieces.py: rare name tokens counted, replies scored teacher-forced."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from muse.presets import SHIPPED_CHECKPOINT
+from muse.tokenizer import MuseTokenizer
+from muse.train.data.split import HELD_OUT, TRAIN
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "unseen_tool_pieces.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("unseen_tool_pieces", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_see_the_pieces_only_when_names_are_pieced(script, monkeypatch) -> None:
+    tokenizer = MuseTokenizer.base()
+    ailer = tokenizer.encode('"tr' + 'ailer"')[2]
+    assert tokenizer.decode([ailer]) == "ailer"
+    held_out = script.name_token_counts(tokenizer, HELD_OUT, 200, seed=0)
+    assert held_out[ailer] > 0
+    pieced = script.name_token_counts(tokenizer, TRAIN, 3000, seed=0)
+    monkeypatch.setattr(script.unseen_tools, "PIECE_WORD_SHARE", 0.0)
+    unpieced = script.name_token_counts(tokenizer, TRAIN, 3000, seed=0)
+    assert len(pieced) > len(unpieced) + 300
+    assert unpieced[ailer] == 0
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="needs the shipped checkpoint")
+def test_the_script_scores_a_model_and_writes_json(script, monkeypatch, tmp_path) -> None:
+    out = tmp_path / "pieces.json"
+    for share in ("MADE_UP_SHARE", "PIECE_WORD_SHARE", "COMMON_WORD_SHARE"):  # --shares sets
+        monkeypatch.setattr(script.unseen_tools, share, getattr(script.unseen_tools, share))
+    monkeypatch.setattr(sys, "argv", ["unseen_tool_pieces.py", str(SHIPPED_CHECKPOINT),
+                                      "--num", "3", "--train-cases", "500",
+                                      "--shares", "0.3,0,0.3", "--json", str(out)])
+    script.main()
+    result = json.loads(out.read_text())
+    assert result["shares"] == [0.3, 0.0, 0.3] and "ailer" in result["rare_tokens"]
+    scored, = result["models"]
+    assert scored["reply_tokens"] > 50 and scored["rare_tokens"] > 0
+    assert 0 < scored["reply_nll"] and 0 < scored["rare_nll"] and math.isfinite(scored["rare_nll"])
+    assert math.isclose(scored["rare_probability"], math.exp(-scored["rare_nll"]))
