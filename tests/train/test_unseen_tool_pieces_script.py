@@ -12,6 +12,7 @@ import pytest
 
 from muse.presets import SHIPPED_CHECKPOINT
 from muse.tokenizer import MuseTokenizer
+from muse.train.data import unseen_tools
 from muse.train.data.split import HELD_OUT, TRAIN
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "unseen_tool_pieces.py"
@@ -36,6 +37,18 @@ def test_counts_see_the_pieces_only_when_names_are_pieced(script, monkeypatch) -
     unpieced = script.name_token_counts(tokenizer, TRAIN, 3000, seed=0)
     assert len(pieced) > len(unpieced) + 300
     assert unpieced[ailer] == 0
+
+
+def test_every_piece_of_a_held_out_name_is_written_in_training_names(script) -> None:
+    # A model copies a name token by token and does not write a token it never wrote in a
+    # name ("trailer" is "tr" + "ailer"; without "ailer" in training it copies "trggle").
+    # Only tokens that are a whole held-out word ("Ġverify") may stay out of training names.
+    tokenizer = MuseTokenizer.base()
+    whole_words = {tokens[0] for word in unseen_tools._held_out_words()
+                   if len(tokens := tokenizer.encode(f" {word}")) == 1}
+    held_out = set(script.name_token_counts(tokenizer, HELD_OUT, 300, seed=3)) - whole_words
+    trained = script.name_token_counts(tokenizer, TRAIN, 20000, seed=4)
+    assert not {tokenizer.decode([token]) for token in held_out if not trained[token]}
 
 
 @pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),

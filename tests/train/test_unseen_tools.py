@@ -293,29 +293,10 @@ def test_training_also_asks_for_properties_of_things_with_the_argument_named_onl
     assert not any(case.lookup for case in _cases(32, 200, split=HELD_OUT))
 
 
-def test_every_piece_of_a_held_out_name_is_written_in_training_names(
-        tokenizer: MuseTokenizer) -> None:
-    # A model copies a name token by token and does not write a token it never wrote in a
-    # name ("trailer" is "tr" + "ailer"; without "ailer" in training it copies "trggle").
-    # Only tokens that are a whole held-out word ("Ġverify") stay out of training names.
-    def name_tokens(cases) -> set[int]:
-        texts = [text for case in cases for tool in case.offered
-                 for text in (f'"{tool.name}"', f" {tool.action}",
-                              *(f'"{argument.name}"' for argument in tool.arguments))]
-        return {token for text in texts for token in tokenizer.encode(text)}
-
-    whole_words = {tokens[0] for word in unseen_tools._held_out_words()
-                   if len(tokens := tokenizer.encode(f" {word}")) == 1}
-    held_out = name_tokens(_cases(3, 300, HELD_OUT)) - whole_words
-    trained = name_tokens(_cases(4, 20000, TRAIN))
-    assert not {tokenizer.decode([token]) for token in held_out - trained}
-    starts, insides = unseen_tools.word_pieces()
-    assert len(starts) > 1000 and len(insides) > 2000 and "ailer" in insides
-
-
 def test_pieced_words_are_strings_of_tokenizer_pieces() -> None:
     rng = random.Random(5)
     starts, insides = unseen_tools.word_pieces()
+    assert len(starts) > 1000 and len(insides) > 2000 and "ailer" in insides
     for _ in range(200):
         word = unseen_tools.piece_word(rng)
         assert re.fullmatch(r"[a-z]{2,}", word)

@@ -51,18 +51,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.tools import asks, function_schema, none_can, offered_names, quoted
 
 KINDS = ("call", "choose", "no_tool")
-# Training words drawn as made-up words, or as common words, rather than from the word lists.
+# Training words drawn as made-up, pieced or common words rather than from the word lists.
 MADE_UP_SHARE = 0.15
 PIECE_WORD_SHARE = 0.3
 COMMON_WORD_SHARE = 0.2
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-COMMON_WORDS_FILE = ASSETS / "tool_words.txt"
-# The tokenizer every training run uses (`MuseTokenizer.base()`): its pieces make `piece_word`s.
-TOKENIZER_FILE = ASSETS / "tokenizer.json"
+COMMON_WORDS_FILE = Path(__file__).resolve().parents[2] / "assets" / "tool_words.txt"
 # Training tools that take a name of the first version's tools, with made-up arguments.
 FAMILIAR_NAME_SHARE = 0.1
 FAMILIAR_NAMES = (("get", "weather"), ("add", "numbers"), ("search", "files"),
@@ -336,10 +334,11 @@ def made_up_word(rng: random.Random) -> str:
 
 @functools.cache
 def word_pieces() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The tokenizer's pieces of two or more lowercase letters: those that start a word (a
-    leading space, "Ġ" in byte-level BPE, removed) and those inside one. Pieces that repeat
-    a letter three times ("zzzzzzzz", padding in source files) are left out."""
-    vocabulary = json.loads(TOKENIZER_FILE.read_text())["model"]["vocab"]
+    """The pieces of two or more lowercase letters of the tokenizer every training run uses
+    (`MuseTokenizer.base()`): those that start a word (a leading space, "Ġ" in byte-level
+    BPE, removed) and those inside one. Pieces that repeat a letter three times ("zzzzzzzz",
+    padding in source files) are left out."""
+    vocabulary = MuseTokenizer.base().tokenizer.get_vocab(with_added_tokens=False)
     starts, insides = [], []
     for piece in sorted(vocabulary):
         letters = piece.removeprefix("\u0120")
