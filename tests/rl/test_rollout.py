@@ -239,7 +239,8 @@ def test_teacher_forced_logprobs_match_the_rollouts(greedy, llm: LLM) -> None:
 @needs_checkpoint
 def test_group_samples_share_the_prompt_and_a_seeded_rerun_reproduces_them(llm: LLM) -> None:
     tasks = [calculator_task(), *load_tasks("tools", 1, seed=1)]
-    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=48)
+    # 96 tokens: the reasoning restates the request and lists the tools before the call.
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=96)
     first, recorder = recorded_rollout(llm, tasks, params, group_size=4, max_turns=2)
     # The first turn: one request per task, its samples drawn from one prompt.
     prompts, turn_params, _ = recorder.calls[0]

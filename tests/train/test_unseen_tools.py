@@ -71,11 +71,13 @@ def test_held_out_tools_use_only_held_out_words() -> None:
     assert not names[TRAIN] & names[HELD_OUT]
 
 
-def test_training_names_are_mostly_made_up_so_they_must_be_copied() -> None:
+def test_many_training_names_are_made_up_so_they_must_be_copied() -> None:
     tools = [case.requested for case in _cases(5, 400, TRAIN)]
     listed = set(unseen_tools.VERBS) | {verb for verb, _ in unseen_tools.FAMILIAR_NAMES}
     made_up = [tool for tool in tools if tool.verb not in listed]
-    assert 0.4 < len(made_up) / len(tools) < 0.75
+    # The expected share is 0.40 (20,000 cases: lookups and familiar names take list verbs);
+    # 400 cases draw it within about 0.025.
+    assert 0.3 < len(made_up) / len(tools) < 0.55
     assert len({tool.verb for tool in made_up}) > 0.9 * len(made_up)
     familiar = {f"{verb}_{noun}" for verb, noun in unseen_tools.FAMILIAR_NAMES}
     assert any(tool.name in familiar for tool in tools)
@@ -203,7 +205,10 @@ def _digest(cases) -> str:
     return hashlib.sha256(repr(cases).replace(", lookup=False)", ")").encode()).hexdigest()
 
 
-def test_held_out_cases_are_the_same_as_before_composed_requests() -> None:
+def test_held_out_cases_are_the_same_as_before_composed_requests(monkeypatch) -> None:
+    # The constants were drawn with the kinds' weights of their day; the weights choose only
+    # the kind (`muse eval` names it, EVAL_CASES_DIGEST), so those cases must still come out.
+    monkeypatch.setattr(unseen_tools, "KIND_WEIGHTS", (0.3, 0.5, 0.2))
     for seed, (kind, request, offered) in HELD_OUT_REQUESTS.items():
         case = sample_case(random.Random(seed), HELD_OUT)
         assert (case.kind, case.request, [tool.name for tool in case.offered]) == (
