@@ -1,0 +1,50 @@
+"""scripts/unseen_tool_splits.py: unseen-tool cases of both splits, scored as `muse eval`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from muse.presets import SHIPPED_CHECKPOINT
+from muse.train.data import unseen_tools
+from muse.train.data.split import HELD_OUT, TRAIN
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "unseen_tool_splits.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("unseen_tool_splits", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_split_gives_its_own_cases_the_kinds_in_turn(script) -> None:
+    train, held_out = script.split_cases(TRAIN, 9), script.split_cases(HELD_OUT, 9)
+    assert [case.kind for case in train] == list(unseen_tools.KINDS) * 3
+    assert [case.kind for case in held_out] == list(unseen_tools.KINDS) * 3
+    assert script.split_cases(TRAIN, 9) == train  # seeded
+    held_out_words = unseen_tools._held_out_words()
+    for case in held_out:
+        assert set(case.requested.name.split("_")) <= held_out_words
+    for case in train:
+        assert not set(case.requested.name.split("_")) & held_out_words
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="needs the shipped checkpoint")
+def test_the_script_scores_both_splits_and_writes_json(script, monkeypatch, tmp_path) -> None:
+    out = tmp_path / "splits.json"
+    monkeypatch.setattr(sys, "argv", ["unseen_tool_splits.py", str(SHIPPED_CHECKPOINT),
+                                      "--num", "3", "--json", str(out)])
+    script.main()
+    scored, = json.loads(out.read_text())["models"]
+    for split in (TRAIN, HELD_OUT):
+        assert scored[split]["count"] == 3
+        assert set(scored[split]["by_kind"]) == set(unseen_tools.KINDS)
+        assert 0.0 <= scored[split]["right"] <= 1.0
