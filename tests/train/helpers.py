@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 
@@ -19,3 +21,12 @@ class NoiseSpeechPool:
             rng.randint(4000, 30000)).astype(np.float32) * 0.1
         return SimpleNamespace(audio=audio, messages=lambda: _messages(
             "audio", "What number is spoken?", "The audio says seven.", "7"))
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of `scripts/` (not a package) imported as a module, for its functions."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

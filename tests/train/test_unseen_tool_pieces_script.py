@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,16 +12,12 @@ from muse.presets import SHIPPED_CHECKPOINT
 from muse.tokenizer import MuseTokenizer
 from muse.train.data import unseen_tools
 from muse.train.data.split import HELD_OUT, TRAIN
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "unseen_tool_pieces.py"
+from tests.train.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("unseen_tool_pieces", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("unseen_tool_pieces")
 
 
 def test_counts_see_the_pieces_only_when_names_are_pieced(script, monkeypatch) -> None:

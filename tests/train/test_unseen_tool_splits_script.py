@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from muse.presets import SHIPPED_CHECKPOINT
 from muse.train.data import unseen_tools
 from muse.train.data.split import HELD_OUT, TRAIN
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "unseen_tool_splits.py"
+from tests.train.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("unseen_tool_splits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("unseen_tool_splits")
 
 
 def test_each_split_gives_its_own_cases_the_kinds_in_turn(script) -> None:
