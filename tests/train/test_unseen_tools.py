@@ -205,10 +205,7 @@ def _digest(cases) -> str:
     return hashlib.sha256(repr(cases).replace(", lookup=False)", ")").encode()).hexdigest()
 
 
-def test_held_out_cases_are_the_same_as_before_composed_requests(monkeypatch) -> None:
-    # The constants were drawn with the kinds' weights of their day; the weights choose only
-    # the kind (`muse eval` names it, EVAL_CASES_DIGEST), so those cases must still come out.
-    monkeypatch.setattr(unseen_tools, "KIND_WEIGHTS", (0.3, 0.5, 0.2))
+def test_held_out_cases_are_the_same_as_before_composed_requests() -> None:
     for seed, (kind, request, offered) in HELD_OUT_REQUESTS.items():
         case = sample_case(random.Random(seed), HELD_OUT)
         assert (case.kind, case.request, [tool.name for tool in case.offered]) == (
