@@ -72,8 +72,8 @@ ONSETS = ("", "", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "q
           "ph", "wh", "cl", "fl", "sp", "sk", "sn", "dr")
 VOWELS = ("a", "e", "i", "o", "u", "y", "ai", "ea", "oo", "ou", "ie")
 CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g")
-# More declines (0.2, 0.45, 0.35) moved replies from calling to declining, not the three
-# kinds' sum (a probe from run 10, docs/training.md "Run 10").
+# More declines (0.2, 0.45, 0.35) moved replies from calling to declining without more of
+# them right (a probe from run 10, docs/training.md "Run 10").
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
 
