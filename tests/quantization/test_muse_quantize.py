@@ -6,6 +6,7 @@ More formats and layouts: test_quantize_formats.py and test_mxfp4.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,48 +91,21 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return codes[0::2] | (codes[1::2] << 4)
 
 
-def test_the_cli_quantizes_the_shipped_model_and_keeps_its_answers(tmp_path):
-    """The default model (stacked experts, a drafter folder beside it) quantized by the CLI:
-    the drafter and tokenizer are copied, and FP8's greedy answers to its chat prompts stay
-    the BF16 model's on at least 95% of the tokens."""
-    out = tmp_path / "default-fp8"
-    muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", "fp8"])
-    assert (out / "drafter" / "config.json").is_file() and (out / "tokenizer.json").is_file()
-    names = set(tensors(out))
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale" in names
-    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
-    prompts = [[{"role": "user", "content": text}] for text in
-               ("What is 23 + 58?", "What is 91 - 47?", "Write one sentence about rivers.")]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = LLM(str(SHIPPED_CHECKPOINT), device="cpu", kv_cache_memory_bytes=32 * 2**20)
-    quantized = LLM(str(out), device="cpu", kv_cache_memory_bytes=32 * 2**20)
-    want = [o.outputs[0].token_ids for o in plain.chat(prompts, params)]
-    got = [o.outputs[0].token_ids for o in quantized.chat(prompts, params)]
-    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
-    assert same >= 0.95 * sum(len(w) for w in want)
+CHAT_PROMPTS = [[{"role": "user", "content": text}] for text in
+                ("What is 23 + 58?", "What is 91 - 47?", "Write one sentence about rivers.")]
 
 
-@pytest.mark.parametrize(("form", "layout", "free_share"), [
-    ("mxfp4", "compressed-tensors", 0.6),  # 51 of 72 measured: one reply parts at token 3
-    ("nvfp4", "modelopt", 0.95),  # W4A4 scales from the shipped prompts; 72 of 72 measured
-])
-def test_the_cli_writes_fp4_copies_of_the_shipped_model(tmp_path, form, layout, free_share):
-    """The default model quantized to MXFP4 (compressed-tensors) and NVFP4 with calibrated
-    activation scales (ModelOpt): given the BF16 model's greedy replies to its chat prompts
-    as prompts, the quantized model's greedy choice is the BF16 one at 95% of the reply
-    positions or more (MXFP4 71 of 72 measured, NVFP4 72 of 72); its own free-running replies
-    match the BF16 ones token for token at `free_share` of the positions or more."""
-    out = tmp_path / f"default-{form}"
-    muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", form,
-               "--layout", layout])
-    assert (out / "hf_quant_config.json").is_file() == (layout == "modelopt")
-    prompts = [[{"role": "user", "content": text}] for text in
-               ("What is 23 + 58?", "What is 91 - 47?", "Write one sentence about rivers.")]
+def agreement_with_bf16(quantized_folder: Path) -> tuple[int, int, int]:
+    """The shipped model's greedy replies to CHAT_PROMPTS against a quantized copy's: how many
+    reply positions the copy's greedy choice agrees on given the BF16 reply as its prompt,
+    how many of its own free-running reply tokens are the BF16 ones, and the reply tokens.
+    A free-running reply parts for good at its first near tie, so only the first count
+    measures the copy's answers position by position."""
     params = SamplingParams(temperature=0.0, max_tokens=24)
     plain = LLM(str(SHIPPED_CHECKPOINT), device="cpu", kv_cache_memory_bytes=32 * 2**20)
-    quantized = LLM(str(out), device="cpu", kv_cache_memory_bytes=32 * 2**20)
-    want = plain.chat(prompts, params, use_tqdm=False)
-    got = quantized.chat(prompts, params, use_tqdm=False)
+    quantized = LLM(str(quantized_folder), device="cpu", kv_cache_memory_bytes=32 * 2**20)
+    want = plain.chat(CHAT_PROMPTS, params, use_tqdm=False)
+    got = quantized.chat(CHAT_PROMPTS, params, use_tqdm=False)
     total = sum(len(w.outputs[0].token_ids) for w in want)
     same = sum(a == b for w, g in zip(want, got)
                for a, b in zip(w.outputs[0].token_ids, g.outputs[0].token_ids))
@@ -140,4 +114,37 @@ def test_the_cli_writes_fp4_copies_of_the_shipped_model(tmp_path, form, layout, 
                                 use_tqdm=False)
     agree = sum(entry.rank == 1 for w, f in zip(want, forced)
                 for entry in f.prompt_logprobs[len(w.prompt_token_ids):])
+    return agree, same, total
+
+
+def test_the_cli_quantizes_the_shipped_model_and_keeps_its_answers(tmp_path):
+    """The default model (stacked experts, a drafter folder beside it) quantized by the CLI:
+    the drafter and tokenizer are copied, and FP8's greedy choice is the BF16 model's at 95%
+    of the reply positions or more (63 of 64 measured); its free-running replies match at 80%
+    or more (55 of 64: the open question's reply parts at a near tie, token 7)."""
+    out = tmp_path / "default-fp8"
+    muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", "fp8"])
+    assert (out / "drafter" / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    names = set(tensors(out))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale" in names
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    agree, same, total = agreement_with_bf16(out)
+    assert agree >= 0.95 * total and same >= 0.8 * total
+
+
+@pytest.mark.parametrize(("form", "layout", "free_share"), [
+    ("mxfp4", "compressed-tensors", 0.6),  # 64 of 64 measured (51 of 72 on run 8's weights)
+    ("nvfp4", "modelopt", 0.8),  # W4A4 scales from the shipped prompts; 57 of 64 measured
+])
+def test_the_cli_writes_fp4_copies_of_the_shipped_model(tmp_path, form, layout, free_share):
+    """The default model quantized to MXFP4 (compressed-tensors) and NVFP4 with calibrated
+    activation scales (ModelOpt): given the BF16 model's greedy replies to its chat prompts
+    as prompts, the quantized model's greedy choice is the BF16 one at 95% of the reply
+    positions or more (MXFP4 64 of 64 measured, NVFP4 63 of 64); its own free-running replies
+    match the BF16 ones token for token at `free_share` of the positions or more."""
+    out = tmp_path / f"default-{form}"
+    muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", form,
+               "--layout", layout])
+    assert (out / "hf_quant_config.json").is_file() == (layout == "modelopt")
+    agree, same, total = agreement_with_bf16(out)
     assert agree >= 0.95 * total and same >= free_share * total
