@@ -21,18 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from muse import LLM  # noqa: E402
 from muse.eval.options import EvalSettings  # noqa: E402
-from muse.eval.unseen_tools import evaluate_tool_cases  # noqa: E402
-from muse.train.data import unseen_tools  # noqa: E402
+from muse.eval.unseen_tools import cases_in_turn, evaluate_tool_cases  # noqa: E402
 from muse.train.data.split import HELD_OUT, TRAIN  # noqa: E402
 from muse.train.data.unseen_tools import UnseenToolCase  # noqa: E402
 
 
 def split_cases(split: str, num: int, seed: int = 0) -> list[UnseenToolCase]:
     """`num` cases of `split`, the kinds in turn (as `muse eval` draws its held-out ones)."""
-    rng = random.Random(f"unseen-tool-splits/{split}/{seed}")
-    kinds = unseen_tools.KINDS
-    return [unseen_tools.sample_case(rng, split, kinds[index % len(kinds)])
-            for index in range(num)]
+    return cases_in_turn(random.Random(f"unseen-tool-splits/{split}/{seed}"), split, num)
 
 
 def score_model(model: str, num: int) -> dict[str, Any]:

@@ -84,12 +84,16 @@ def score_reply(reply: Reply, case: UnseenToolCase) -> dict[str, bool]:
             "right": valid and tool and arguments}
 
 
-def held_out_cases(seed: int, num: int) -> list[UnseenToolCase]:
-    """`num` held-out cases, the kinds in turn (call, choose, no_tool, call, ...)."""
-    rng = random.Random(f"eval-unseen-tools/{seed}")
+def cases_in_turn(rng: random.Random, split: str, num: int) -> list[UnseenToolCase]:
+    """`num` cases of `split`, the kinds in turn (call, choose, no_tool, call, ...)."""
     kinds = unseen_tools.KINDS
-    return [unseen_tools.sample_case(rng, HELD_OUT, kinds[index % len(kinds)])
+    return [unseen_tools.sample_case(rng, split, kinds[index % len(kinds)])
             for index in range(num)]
+
+
+def held_out_cases(seed: int, num: int) -> list[UnseenToolCase]:
+    """`num` held-out cases, the kinds in turn."""
+    return cases_in_turn(random.Random(f"eval-unseen-tools/{seed}"), HELD_OUT, num)
 
 
 def expected_reply(case: UnseenToolCase) -> dict[str, Any]:
