@@ -83,8 +83,18 @@ def test_many_training_names_are_made_up_so_they_must_be_copied() -> None:
     assert any(tool.name in familiar for tool in tools)
 
 
-def test_calls_copy_the_request_and_fit_the_offered_schema() -> None:
-    for case in _cases(3, 300):
+def _action(tool: unseen_tools.Tool, case: unseen_tools.UnseenToolCase, split: str
+            ) -> tuple[str | None, ...]:
+    verb = "get" if case.lookup and tool.verb in unseen_tools.LOOKUP_VERBS else tool.verb
+    qualified = split == TRAIN and sum(other.verb == tool.verb and other.noun == tool.noun
+                                       for other in {*case.offered, case.requested}) > 1
+    assert tool.qualifier or not qualified  # tools of one verb and noun, told apart
+    return (verb, tool.noun, tool.qualifier if qualified else None)
+
+
+@pytest.mark.parametrize("split", [TRAIN, HELD_OUT])
+def test_calls_copy_the_request_and_fit_the_offered_schema(split: str) -> None:
+    for case in _cases(3, 300, split):
         assert case.arguments
         for value in case.arguments.values():
             assert spoken(value) in case.request, (value, case.request)
@@ -96,10 +106,12 @@ def test_calls_copy_the_request_and_fit_the_offered_schema() -> None:
         assert schema_errors(case.arguments, schema) == []
         names = [tool.name for tool in case.offered]
         assert len(set(names)) == len(names)
-        actions = {(tool.verb, tool.noun) for tool in case.offered}
+        # One action a tool: a verb and a noun, or in training also the qualifier when two
+        # tools of one verb and noun both have one.
+        actions = {_action(tool, case, split) for tool in case.offered}
         assert len(actions) == len(names)
         if case.kind == "no_tool":
-            assert (case.requested.verb, case.requested.noun) not in actions
+            assert _action(case.requested, case, split) not in actions
             assert case.tool is None and case.result is None
         else:
             assert case.tool in case.offered
@@ -171,6 +183,47 @@ def test_names_in_the_reasoning_are_the_schemas_and_the_calls_tokens() -> None:
         starts = [i for i in range(len(ids)) if ids[i:i + len(name)] == name]
         # The schema, the list of offered tools, the decision and the call.
         assert len(starts) >= 4, (case.tool.name, rendered)
+
+
+def test_training_near_misses_include_another_qualifier_of_the_same_verb_and_noun() -> None:
+    """The choice must read every word of a name: training offers, beside a target with a
+    qualifier, tools that differ from it only there; held-out cases never do."""
+    misses = [(case, tool) for case in _cases(9, 600, TRAIN, "no_tool") for tool in case.offered
+              if case.requested.qualifier and (tool.verb, tool.noun)
+              == (case.requested.verb, case.requested.noun)]
+    assert misses
+    for case, tool in misses:
+        assert tool.qualifier and tool.qualifier != case.requested.qualifier
+    for case in _cases(9, 600, HELD_OUT):
+        pairs = [(tool.verb, tool.noun) for tool in {*case.offered, case.requested}]
+        assert len(set(pairs)) == len(pairs)
+
+
+def test_a_lookup_is_never_offered_beside_another_lookup_verb_of_its_noun() -> None:
+    """"check_order_status" does what "get_order_status" does: as a distractor of a lookup it
+    would make a declined request one that an offered tool fits."""
+    lookups = [case for case in _cases(11, 6000, TRAIN, "no_tool") if case.lookup]
+    assert len(lookups) > 1500  # ~4 such distractors expected without the rule
+    for case in lookups:
+        for tool in case.offered:
+            assert not (tool.noun == case.requested.noun
+                        and tool.verb in unseen_tools.LOOKUP_VERBS), (tool.name, case.request)
+
+
+def test_composed_argument_phrases_hold_no_held_out_template_text() -> None:
+    """Training argument phrases built from parts never write "a {name} of {value}" or
+    "{name} = {value}", the held-out templates, and keep the name and the value verbatim."""
+    for part in (*unseen_tools.ARGUMENT_DETERMINERS, *unseen_tools.ARGUMENT_LINKS,
+                 *unseen_tools.ARGUMENT_PREPOSITIONS):
+        assert not re.search(r"(^|\s)(a|of)(\s|$)|=", part), part
+    rng = random.Random(13)
+    phrases = {unseen_tools.composed_argument(rng, "max level", "7") for _ in range(400)}
+    assert len(phrases) > 100
+    for phrase in phrases:
+        assert "max level" in phrase and re.search(r"(^|\s)7($|\s)", phrase), phrase
+    requests = [case.request for case in _cases(12, 300) if not case.lookup]
+    assert sum(any(link in request for link in (" should be ", " becomes ", " fixed at "))
+               for request in requests) > 10
 
 
 def test_the_reasoning_of_hand_made_cases() -> None:

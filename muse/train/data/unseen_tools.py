@@ -75,6 +75,8 @@ CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g
 # More declines (0.2, 0.45, 0.35) moved replies from calling to declining without more of
 # them right (a probe from run 10, docs/training.md "Run 10").
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
+# Of training distractors for a target with a qualifier: its verb and noun, another qualifier.
+QUALIFIER_MISS_SHARE = 0.2
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
 
 VERBS = ("archive", "book", "cancel", "check", "clean", "close", "compress", "copy", "count",
@@ -202,6 +204,18 @@ ARGUMENT_TEMPLATES = (
     "{name} -> {value}",
     "the {name} as {value}",
 )
+# Training argument phrases built from parts (`composed_argument`). No part holds a held-out
+# template's text ("{name} = {value}", "a {name} of {value}"): no "a ", no " = ", no " of ".
+COMPOSED_ARGUMENT_SHARE = 0.5
+REVERSED_ARGUMENT_SHARE = 0.3
+ARGUMENT_DETERMINERS = ("", "", "", "the ", "its ", "my ", "our ", "this ", "your ", "that ",
+                        "their ", "the new ")
+ARGUMENT_LINKS = (" ", ": ", " is ", " at ", " to ", " should be ", " becomes ", " will be ",
+                  " must be ", " set to ", " equal to ", " being ", " as ", " -> ", " - ",
+                  " with value ", " valued ", " changed to ", " now ", " fixed at ", " ~ ",
+                  " reading ")
+ARGUMENT_PREPOSITIONS = ("as", "for", "in", "into", "on", "under", "to use for", "to put in",
+                         "going to")
 ANSWER_TEMPLATES = (
     "Done: the {field} is {value}.",
     "{tool} finished; {field}: {value}.",
@@ -405,14 +419,15 @@ def _argument(rng: random.Random, split: str, taken: set[str], noun: str,
 
 
 def random_tool(rng: random.Random, split: str, verb: str | None = None,
-                noun: str | None = None) -> Tool:
-    """A tool whose name and argument names come from `split`'s vocabularies (`verb` and
-    `noun` fix those words of the name)."""
+                noun: str | None = None, qualifier: str | None = None) -> Tool:
+    """A tool whose name and argument names come from `split`'s vocabularies (`verb`, `noun`
+    and `qualifier` fix those words of the name)."""
     if verb is None and noun is None and split == TRAIN and rng.random() < FAMILIAR_NAME_SHARE:
         verb, noun = rng.choice(FAMILIAR_NAMES)
     verb = verb or _word(rng, VERBS, split)
     noun = noun or _word(rng, NOUNS, split)
-    qualifier = _word(rng, QUALIFIERS, split) if rng.random() < 0.4 else None
+    if qualifier is None:
+        qualifier = _word(rng, QUALIFIERS, split) if rng.random() < 0.4 else None
     name = "_".join(word for word in (verb, qualifier, noun) if word).replace(" ", "_")
     field = rng.choice(RESULT_FIELDS)
     # The first argument is always required so that every call has one.
@@ -475,14 +490,29 @@ def _request(rng: random.Random, split: str, tool: Tool, arguments: dict[str, An
     phrases = []
     for name, value in arguments.items():
         written = name if rng.random() < 0.5 else name.replace("_", " ")
-        phrases.append(rng.choice(split_items(ARGUMENT_TEMPLATES, split)).format(
-            name=written, value=spoken(value)))
+        # Only training draws the extra number, so held-out cases stay as they always were.
+        if split == TRAIN and rng.random() < COMPOSED_ARGUMENT_SHARE:
+            phrases.append(composed_argument(rng, written, spoken(value)))
+        else:
+            phrases.append(rng.choice(split_items(ARGUMENT_TEMPLATES, split)).format(
+                name=written, value=spoken(value)))
     joined = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
     # Only training draws the extra number, so held-out cases stay as they always were.
     if split == TRAIN and rng.random() < COMPOSED_REQUEST_SHARE:
         return composed_request(rng, tool.action, joined)
     template = rng.choice(split_items(REQUEST_TEMPLATES, split))
     return template.format(action=tool.action, arguments=joined)
+
+
+def composed_argument(rng: random.Random, name: str, value: str) -> str:
+    """A training argument phrase built from parts: "its max level should be 7", "7 for our
+    max_level". A model that saw only ten argument templates read the held-out "a {name} of
+    {value}" as the argument `a` or the value "a level" (run 10's held-out misses); parts
+    teach that any word before a name and any link after it belong to neither."""
+    determiner = rng.choice(ARGUMENT_DETERMINERS)
+    if rng.random() < REVERSED_ARGUMENT_SHARE:
+        return f"{value} {rng.choice(ARGUMENT_PREPOSITIONS)} {determiner}{name}"
+    return f"{determiner}{name}{rng.choice(ARGUMENT_LINKS)}{value}"
 
 
 def composed_request(rng: random.Random, action: str, arguments: str) -> str:
@@ -513,14 +543,31 @@ def _result_value(rng: random.Random) -> Any:
                        rng.choice(("ok", "done", "queued", "accepted"))])
 
 
-def _distinct(tool: Tool, others: list[Tool]) -> bool:
-    """No two offered tools do the same action or share a name."""
-    return all(tool.name != other.name and (tool.verb, tool.noun) != (other.verb, other.noun)
-               for other in others)
+def _distinct(tool: Tool, others: list[Tool], split: str, lookup: bool) -> bool:
+    """No two offered tools do the same action or share a name. For a lookup, the verbs of
+    LOOKUP_VERBS all do the same action ("check_order_status" is "get_order_status"); in
+    training, two tools of one verb and noun do different actions when both have a qualifier
+    and they differ ("scan_shared_locker", "scan_local_locker")."""
+    def verb_and_noun(some: Tool) -> tuple[str, str]:
+        return ("get" if lookup and some.verb in LOOKUP_VERBS else some.verb, some.noun)
+
+    def same_action(one: Tool, other: Tool) -> bool:
+        if one.name == other.name:
+            return True
+        if verb_and_noun(one) != verb_and_noun(other):
+            return False
+        return not (split == TRAIN and one.qualifier and other.qualifier
+                    and one.qualifier != other.qualifier)
+    return not any(same_action(tool, other) for other in others)
 
 
 def _distractor(rng: random.Random, split: str, target: Tool) -> Tool:
-    """A random tool, half the time sharing the target's verb or noun (a near miss)."""
+    """A random tool, half the time sharing the target's verb or noun (a near miss); in
+    training, for a target with a qualifier, sometimes one that differs from it only there
+    (QUALIFIER_MISS_SHARE), so that the choice reads every word of a name."""
+    if split == TRAIN and target.qualifier and rng.random() < QUALIFIER_MISS_SHARE:
+        return random_tool(rng, split, verb=target.verb, noun=target.noun,
+                           qualifier=_word(rng, QUALIFIERS, split))
     if rng.random() < 0.5:
         return random_tool(rng, split)
     if rng.random() < 0.5:
@@ -545,7 +592,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
     count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
     while len(others) < count:
         other = _distractor(rng, split, requested)
-        if _distinct(other, [requested, *others]):
+        if _distinct(other, [requested, *others], split, lookup):
             others.append(other)
     if kind == "no_tool":
         answer = rng.choice(split_items(DECLINE_TEMPLATES, split)).format(
