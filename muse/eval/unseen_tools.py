@@ -8,7 +8,8 @@ Per case:
 
 - `valid`: for `call` and `choose`, exactly one `<tool_call>` whose JSON parses, names an
   offered tool and whose arguments satisfy its schema (`tools.call_is_valid`); for
-  `no_tool`, no tool call at all.
+  `no_tool`, a finished reply (it ends its turn) with no tool call at all: a reply cut off
+  by its token budget has declined nothing.
 - `right_tool`: the one call names the expected tool (whether or not its arguments fit);
   for `no_tool`, no call.
 - `right_arguments`: the call's arguments have exactly the expected names and every value
@@ -74,7 +75,7 @@ def right_arguments(arguments: Any, case: UnseenToolCase) -> bool:
 def score_reply(reply: Reply, case: UnseenToolCase) -> dict[str, bool]:
     """`MEASURES` of one reply to `case`'s request."""
     if case.tool is None:
-        declined = not reply.tool_calls
+        declined = not reply.tool_calls and reply.ends_with_end_of_turn
         return {measure: declined for measure in MEASURES}
     call = single_call(reply)
     valid = call_is_valid(call, unseen_tools.offered_schemas(case))

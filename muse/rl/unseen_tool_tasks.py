@@ -13,6 +13,7 @@ import json
 import random
 from typing import Any
 
+from muse.chat_format import END_OF_TURN_TOKEN
 from muse.eval.tools import call_is_valid
 from muse.eval.unseen_tools import expected_reply, right_arguments
 from muse.rl.tool_env import reply_tool_calls
@@ -45,13 +46,16 @@ def unseen_tool_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict[
 
 def unseen_tool_reward(completion: str, task: dict[str, Any]) -> float:
     """1.0 for the eval's "right": exactly one valid call of the fitting offered tool with
-    exactly the expected arguments, or, when no offered tool fits, no call at all."""
+    exactly the expected arguments, or, when no offered tool fits, a finished reply without
+    a call."""
     case = task["case"]
     calls = reply_tool_calls(completion, task["tools"])
     if calls is None:  # a malformed block, or a tool that was not offered
         return 0.0
     if case.tool is None:
-        return float(not calls)
+        # Only a finished reply declines: one cut off by its token budget must not be paid,
+        # or the policy learns to ramble whenever it is unsure.
+        return float(not calls and END_OF_TURN_TOKEN in completion)
     if len(calls) != 1:
         return 0.0
     try:

@@ -108,6 +108,14 @@ def test_a_call_when_no_tool_fits_is_wrong(tokenizer: MuseTokenizer) -> None:
         False, False, False, False)
 
 
+def test_a_reply_cut_off_by_its_budget_has_not_declined(tokenizer: MuseTokenizer) -> None:
+    ids = tokenizer.encode("<think>The user asks to weigh the locker. The tools are")
+    completion = CompletionOutput(index=0, text="", token_ids=ids, cumulative_logprob=None,
+                                  logprobs=None, finish_reason="length")
+    assert score_reply(read_reply(completion, tokenizer), NO_TOOL) == _measures(
+        False, False, False, False)
+
+
 def test_malformed_json_is_not_valid(tokenizer: MuseTokenizer) -> None:
     text = _call("scan_locker", ARGUMENTS)[:-len("}</tool_call>")] + "</tool_call>"
     assert _score(tokenizer, CHOOSE, text) == _measures(False, False, False, False)

@@ -13,6 +13,7 @@ from muse.rl.rewards import (arithmetic_reward, exact_answer_reward, list_positi
                               load_reward, tool_call_reward)
 from muse.rl.tasks import tool_tasks
 from muse.rl.tool_env import ToolEnvironment, reply_tool_calls
+from muse.rl.unseen_tool_tasks import unseen_tool_reward, unseen_tool_tasks
 from muse.tokenizer import MuseTokenizer
 
 
@@ -220,3 +221,26 @@ def test_load_reward() -> None:
         load_reward("muse.rl.rewards:missing")
     with pytest.raises(ValueError, match="'exact_match' is neither a built-in reward"):
         load_reward("exact_match")
+
+
+def test_unseen_tool_reward_pays_the_right_call_and_only_a_finished_decline(
+        tokenizer: MuseTokenizer) -> None:
+    """A no_tool task pays a reply that ends its turn without a call; one cut off by its token
+    budget (no `<|end|>`) declined nothing, or a policy learns to ramble when unsure."""
+    tasks = unseen_tool_tasks(6, seed=2)
+    call_task = next(task for task in tasks if task["case"].tool is not None)
+    decline_task = next(task for task in tasks if task["case"].tool is None)
+    case = call_task["case"]
+    right = rendered_reply(tokenizer, "x", "", [(case.tool.name, case.arguments)])
+    assert unseen_tool_reward(right, call_task) == 1.0
+    wrong = {name: "made up" for name in case.arguments}
+    assert unseen_tool_reward(rendered_reply(tokenizer, "x", "", [(case.tool.name, wrong)]),
+                              call_task) == 0.0
+    declined = rendered_reply(tokenizer, "None of them can.", "I can't do that.")
+    assert declined.endswith("<|end|>")
+    assert unseen_tool_reward(declined, decline_task) == 1.0
+    assert unseen_tool_reward(declined.removesuffix("<|end|>"), decline_task) == 0.0
+    assert unseen_tool_reward("<think>The user asks to", decline_task) == 0.0
+    offered = decline_task["case"].offered[0]
+    called = rendered_reply(tokenizer, "x", "", [(offered.name, {})])
+    assert unseen_tool_reward(called, decline_task) == 0.0
