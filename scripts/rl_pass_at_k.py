@@ -19,7 +19,7 @@ from muse import LLM, SamplingParams  # noqa: E402
 from muse.lora import LoRARequest  # noqa: E402
 from muse.presets import SHIPPED_CHECKPOINT  # noqa: E402
 from muse.rl.grpo import pass_at_k  # noqa: E402
-from muse.rl.rewards import load_reward  # noqa: E402
+from muse.rl.rollout import rollout  # noqa: E402
 from muse.rl.tasks import load_tasks  # noqa: E402
 
 
@@ -39,19 +39,17 @@ def main() -> None:
     tasks = load_tasks(args.task, args.num, seed=args.seed, split="test")
     llm = LLM(args.model, enable_lora=args.lora is not None, max_lora_rank=64)
     lora = LoRARequest("adapter", 1, args.lora) if args.lora else None
-    conversations = [task["messages"] for task in tasks]
-    greedy = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
-                      lora_request=lora)
-    sampled = llm.chat(conversations, SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, n=args.k, seed=args.seed),
-        lora_request=lora)
-    scores = [load_reward(task["reward"]) for task in tasks]
-    rewards = [[score(reply.text, task) for reply in out.outputs]
-               for out, task, score in zip(sampled, tasks, scores)]
+    # Rolled out and scored as the trainer does: each task's tools offered, replies read with
+    # their special tokens, tool results answered.
+    greedy = rollout(llm, tasks, SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+                     lora_request=lora)
+    sampled = rollout(llm, tasks, SamplingParams(temperature=args.temperature,
+                                                 max_tokens=args.max_tokens, seed=args.seed),
+                      group_size=args.k, lora_request=lora)
+    rewards = [[trajectory.reward for trajectory in group] for group in sampled]
     figures = {"model": args.model, "lora": args.lora, "task": args.task, "num": args.num,
                "k": args.k, "temperature": args.temperature,
-               "greedy": sum(score(out.outputs[0].text, task)
-                             for out, task, score in zip(greedy, tasks, scores)) / len(tasks),
+               "greedy": sum(group[0].reward for group in greedy) / len(tasks),
                **pass_at_k(rewards)}
     print(json.dumps(figures, indent=1))
     if args.json:

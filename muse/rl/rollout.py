@@ -142,7 +142,8 @@ def rollout(llm: Any, tasks: list[dict], sampling_params: SamplingParams, *,
             group_size: int = 1, lora_request: LoRARequest | None = None, max_turns: int = 4,
             max_total_tokens: int | None = None) -> list[list[Trajectory]]:
     """`group_size` trajectories per task, in task order, each of at most `max_turns`
-    assistant turns.
+    assistant turns (or the task's own "max_turns", when lower: the unseen-tool tasks score
+    their first reply alone).
 
     The first turn runs with n=group_size, so the samples share the prompt's KV; each later
     turn sends one request per live trajectory, all in one `llm.generate` call. A turn whose
@@ -200,8 +201,9 @@ def rollout(llm: Any, tasks: list[dict], sampling_params: SamplingParams, *,
                    for output in outputs for completion in output.outputs]
         still_live = []
         for running, (completion, lora_version) in zip(live, replies, strict=True):
+            turns = min(max_turns, running.trajectory.task.get("max_turns", max_turns))
             if _append_turn(running, completion, lora_version, tokenizer,
-                         tool_text[running.task_index], last_turn=turn + 1 == max_turns,
+                         tool_text[running.task_index], last_turn=turn + 1 >= turns,
                          limit=limit):
                 still_live.append(running)
         live = still_live

@@ -353,6 +353,19 @@ def test_a_reply_cut_by_max_tokens_ends_the_trajectory(tokenizer) -> None:
     assert len(llm.calls) == 1
 
 
+def test_a_tasks_own_max_turns_ends_its_trajectories(tokenizer) -> None:
+    """A task with "max_turns": 1 (the unseen-tool tasks) gets no tool result and no second
+    turn after its call, whatever the rollout's own limit; the others keep theirs."""
+    call = lookup_reply(tokenizer)
+    answer = tokenizer.encode("It says obey.<|end|>")
+    llm = ScriptedLLM(tokenizer, {(0, 0): call, (0, 1): call, (1, 0): answer})
+    one_turn = {**lookup_task(), "max_turns": 1}
+    (first,), (second,) = rollout(llm, [one_turn, lookup_task()],
+                                  SamplingParams(max_tokens=100), max_turns=4)
+    assert first.num_turns == 1 and first.response_ids == call
+    assert second.num_turns == 2 and second.response_ids[-len(answer):] == answer
+
+
 def test_the_token_budget_ends_a_trajectory_before_a_turn_without_room(tokenizer) -> None:
     call = lookup_reply(tokenizer)
     answer = tokenizer.encode("It says obey.<|end|>")
