@@ -487,17 +487,17 @@ def _call_arguments(rng: random.Random, tool: Tool) -> dict[str, Any]:
 
 
 def _request(rng: random.Random, split: str, tool: Tool, arguments: dict[str, Any]) -> str:
+    # Only training draws the extra numbers (composed arguments and requests), so held-out
+    # cases stay as they always were.
     phrases = []
     for name, value in arguments.items():
         written = name if rng.random() < 0.5 else name.replace("_", " ")
-        # Only training draws the extra number, so held-out cases stay as they always were.
         if split == TRAIN and rng.random() < COMPOSED_ARGUMENT_SHARE:
             phrases.append(composed_argument(rng, written, spoken(value)))
         else:
             phrases.append(rng.choice(split_items(ARGUMENT_TEMPLATES, split)).format(
                 name=written, value=spoken(value)))
     joined = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
-    # Only training draws the extra number, so held-out cases stay as they always were.
     if split == TRAIN and rng.random() < COMPOSED_REQUEST_SHARE:
         return composed_request(rng, tool.action, joined)
     template = rng.choice(split_items(REQUEST_TEMPLATES, split))
