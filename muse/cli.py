@@ -228,6 +228,13 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"wrote {args.destination} ({args.layout} layout, {summary(settings)})")
 
 
+def cmd_merge_lora(args: argparse.Namespace) -> None:
+    from muse.lora.merge import merge_adapter
+
+    changed = merge_adapter(args.base, args.adapter, args.destination)
+    print(f"wrote {args.destination} ({len(changed)} tensors with the adapter folded in)")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from muse.bench.serve import run_from_args
 
@@ -444,6 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="compressed-tensors (llm-compressor's; every format) or "
                                "modelopt (hf_quant_config.json; nvfp4 and fp8)")
     quantize.set_defaults(func=cmd_quantize)
+
+    merge_lora = sub.add_parser(
+        "merge-lora", help="write a checkpoint with a PEFT LoRA adapter folded into its "
+                           "weights (W + scaling * B @ A)", formatter_class=DefaultsHelpFormatter)
+    merge_lora.add_argument("base", help="the checkpoint folder the adapter was trained on")
+    merge_lora.add_argument("adapter", help="the adapter folder (adapter_config.json + "
+                                            "adapter_model.safetensors)")
+    merge_lora.add_argument("destination", help="the folder to write")
+    merge_lora.set_defaults(func=cmd_merge_lora)
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments
 
