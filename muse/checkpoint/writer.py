@@ -120,6 +120,20 @@ def copy_tokenizer_files(source: str | Path, directory: str | Path) -> list[Path
     return copies
 
 
+def copy_other_files(source: str | Path, destination: str | Path,
+                     skip: Sequence[str] = ()) -> None:
+    """Every file and folder of the checkpoint `source` but its weights (and the names in
+    `skip`) into `destination`, as they are: config, tokenizer, generation config, a drafter."""
+    for path in Path(source).iterdir():
+        if path.name in skip or (path.is_file() and is_weights_file(path.name)):
+            continue
+        target = Path(destination) / path.name
+        if path.is_dir():
+            shutil.copytree(path, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(path, target)
+
+
 def write_checkpoint(directory: str | Path, config: MuseSparkConfig,
                      specs: Sequence[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

@@ -9,14 +9,12 @@ weight's own dtype; every other tensor and file of the base folder is copied as 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from muse.checkpoint.layout import is_weights_file
 from muse.checkpoint.reader import CheckpointReader
-from muse.checkpoint.writer import TensorSpec, write_tensors
+from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
 from muse.lora.peft_adapter import AdapterError, LoRAWeights, read_adapter
 
 
@@ -63,14 +61,7 @@ def merge_adapter(base: str | Path, adapter: str | Path, destination: str | Path
             return merged.to(spec.dtype)
 
         write_tensors(destination, specs, produce)
-    for path in base.iterdir():
-        if path.is_file() and is_weights_file(path.name):
-            continue
-        target = destination / path.name
-        if path.is_dir():
-            shutil.copytree(path, target, dirs_exist_ok=True)
-        else:
-            shutil.copy2(path, target)
+    copy_other_files(base, destination)
     return sorted(targets)
 
 

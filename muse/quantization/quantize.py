@@ -34,7 +34,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -42,9 +41,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from muse.checkpoint.layout import CheckpointError, is_weights_file
+from muse.checkpoint.layout import CheckpointError
 from muse.checkpoint.reader import CheckpointReader
-from muse.checkpoint.writer import TensorSpec, write_tensors
+from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
 from muse.kernels.w4a16 import E2M1_MAGNITUDES
 from muse.model.loader import FUSED_PARTS
 from muse.quantization import ONLINE_FORMATS
@@ -511,14 +510,7 @@ def _copy_other_files(source: Path, destination: Path, settings: dict, layout: s
     """config.json (with compressed-tensors' `quantization_config`, or unchanged next to
     ModelOpt's `hf_quant_config.json`), and every other file and folder of the source
     (tokenizer, generation config, a drafter) as they are."""
-    for path in source.iterdir():
-        target = destination / path.name
-        if path.name == "config.json" or (path.is_file() and is_weights_file(path.name)):
-            continue
-        if path.is_dir():
-            shutil.copytree(path, target, dirs_exist_ok=True)
-        else:
-            shutil.copy2(path, target)
+    copy_other_files(source, destination, skip=("config.json",))
     config = json.loads((source / "config.json").read_text())
     modelopt_path = destination / MODELOPT_CONFIG
     if layout == "modelopt":

@@ -19,6 +19,9 @@ gets its own words copied as the action ("The user asks to ahead and ..."): so t
 half its requests from parts (`composed_request`: an optional opener, one of many lead-ins or
 none, the action, an argument introducer, the argument phrases, an ending and an optional
 closer), hundreds of shapes, none holding a held-out phrasing's text around the action.
+Users also start a request with its verb ("Book a table for four") and say "a" or "my" where
+the generated actions said "the": training words half its actions with other determiners
+and starts some requests with the capitalized action (held-out cases are as they were).
 
 A vocabulary of a few dozen words would be learnt by heart, and a model that knows the names
 never needs to read them from the schema: so training also draws most words from elsewhere, a
@@ -77,6 +80,10 @@ CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
 # Of training distractors for a target with a qualifier: its verb and noun, another qualifier.
 QUALIFIER_MISS_SHARE = 0.2
+# Of training tools: an action worded with another determiner than "the" ("book a table",
+# "reset my router", "scan shared lockers"), as users word theirs (held-out cases keep "the").
+OTHER_DETERMINER_SHARE = 0.5
+ACTION_DETERMINERS = ("a", "a", "my", "our", "this", "that", "your", "some", "")
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
 
 VERBS = ("archive", "book", "cancel", "check", "clean", "close", "compress", "copy", "count",
@@ -134,8 +141,11 @@ COMPOSED_REQUEST_SHARE = 0.5
 OPENER_SHARE = 0.5
 CLOSER_SHARE = 0.3
 # Of composed requests: a bare imperative ("Okay, scan the locker ..."), or a question.
-IMPERATIVE_SHARE = 0.2
+IMPERATIVE_SHARE = 0.35
 QUESTION_SHARE = 0.3
+# Of bare imperatives whose verb is a real word: the action starts the request, capitalized
+# ("Book a table for ...", as users write), and the reasoning writes it in lower case.
+LEADING_ACTION_SHARE = 0.7
 # No part holds a held-out template's text around `{action}` ("Go ahead and ", "I need you
 # to ", "Let's ", or ": ", " (", ". Set " right after it), so held-out phrasings stay unseen.
 # An opener that ends a sentence makes the next word a capital; the others run into it.
@@ -293,12 +303,13 @@ class Tool:
     description: str
     arguments: tuple[Argument, ...]
     result_field: str
+    determiner: str = "the"  # "" for none
 
     @property
     def action(self) -> str:
-        """What a user asks for: "scan the shared locker"."""
-        qualifier = f"{self.qualifier} " if self.qualifier else ""
-        return f"{self.verb} the {qualifier}{self.noun}"
+        """What a user asks for: "scan the shared locker", "book a table"."""
+        words = (self.verb, self.determiner, self.qualifier, self.noun)
+        return " ".join(word for word in words if word)
 
     def schema(self) -> dict[str, Any]:
         properties = {argument.name: argument.schema() for argument in self.arguments}
@@ -373,9 +384,14 @@ def piece_word(rng: random.Random) -> str:
 
 
 @functools.cache
-def common_words() -> tuple[str, ...]:
-    """The everyday words of `COMMON_WORDS_FILE` (none of them a held-out name word)."""
+def _common_word_list() -> tuple[str, ...]:
     return tuple(COMMON_WORDS_FILE.read_text().split())
+
+
+@functools.cache
+def common_words() -> frozenset[str]:
+    """The everyday words of `COMMON_WORDS_FILE` (none of them a held-out name word)."""
+    return frozenset(_common_word_list())
 
 
 @functools.cache
@@ -395,7 +411,7 @@ def _word(rng: random.Random, words: tuple[str, ...], split: str) -> str:
             elif draw < MADE_UP_SHARE + PIECE_WORD_SHARE:
                 word = piece_word(rng)
             else:
-                word = rng.choice(common_words())
+                word = rng.choice(_common_word_list())
             if word not in _held_out_words():
                 return word
             draw = rng.random()
@@ -436,7 +452,12 @@ def random_tool(rng: random.Random, split: str, verb: str | None = None,
                       for index in range(rng.randint(1, 3)))
     description = rng.choice(DESCRIPTION_TEMPLATES).format(
         Verb=_capitalized(verb), verb=verb, noun=noun, field=field)
-    return Tool(name, verb, qualifier, noun, description, arguments, field)
+    determiner = "the"
+    if split == TRAIN and rng.random() < OTHER_DETERMINER_SHARE:  # held-out draws unchanged
+        determiner = rng.choice(ACTION_DETERMINERS)
+        if determiner == "a" and (qualifier or noun)[:1] in "aeiou":
+            determiner = "an"
+    return Tool(name, verb, qualifier, noun, description, arguments, field, determiner)
 
 
 def _value(rng: random.Random, argument: Argument) -> Any:
@@ -499,7 +520,8 @@ def _request(rng: random.Random, split: str, tool: Tool, arguments: dict[str, An
                 name=written, value=spoken(value)))
     joined = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
     if split == TRAIN and rng.random() < COMPOSED_REQUEST_SHARE:
-        return composed_request(rng, tool.action, joined)
+        real_verb = tool.verb in VERBS or tool.verb in common_words()
+        return composed_request(rng, tool.action, joined, may_lead=real_verb)
     template = rng.choice(split_items(REQUEST_TEMPLATES, split))
     return template.format(action=tool.action, arguments=joined)
 
@@ -515,15 +537,20 @@ def composed_argument(rng: random.Random, name: str, value: str) -> str:
     return f"{determiner}{name}{rng.choice(ARGUMENT_LINKS)}{value}"
 
 
-def composed_request(rng: random.Random, action: str, arguments: str) -> str:
+def composed_request(rng: random.Random, action: str, arguments: str,
+                     may_lead: bool = False) -> str:
     """A training request built from parts: "Okay, could you please {action} for me? Use
-    {arguments}." The action is kept verbatim (never capitalized) so it can be copied."""
+    {arguments}." The action is kept verbatim so it can be copied, except that with
+    `may_lead` a bare imperative may start the request with it, capitalized ("Book a table
+    ..."): a capital makes another token of a word's start, and only real words (those a
+    user writes) are worth learning both tokens of."""
     person = rng.choice(PEOPLE)
     draw = rng.random()
     question = IMPERATIVE_SHARE <= draw < IMPERATIVE_SHARE + QUESTION_SHARE
-    if draw < IMPERATIVE_SHARE:
-        # A bare imperative needs an opener that runs into it, or the action would start
-        # the request with a capital.
+    if draw < IMPERATIVE_SHARE and may_lead and rng.random() < LEADING_ACTION_SHARE:
+        opener, lead_in = "", ""
+    elif draw < IMPERATIVE_SHARE:
+        # Otherwise a bare imperative takes an opener that runs into it.
         opener, lead_in = rng.choice(RUN_ON_OPENERS), ""
     else:
         lead_in = rng.choice(QUESTION_LEAD_INS if question else LEAD_INS)
