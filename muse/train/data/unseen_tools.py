@@ -81,7 +81,7 @@ KIND_WEIGHTS = (0.3, 0.5, 0.2)
 # Of training distractors for a target with a qualifier: its verb and noun, another qualifier.
 QUALIFIER_MISS_SHARE = 0.2
 # Of training tools: an action worded with another determiner than "the" ("book a table",
-# "reset my router", "scan shared lockers"), as users word theirs (held-out cases keep "the").
+# "reset my router", "scan shared locker"), as users word theirs (held-out cases keep "the").
 OTHER_DETERMINER_SHARE = 0.5
 ACTION_DETERMINERS = ("a", "a", "my", "our", "this", "that", "your", "some", "")
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
