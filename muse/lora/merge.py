@@ -8,19 +8,14 @@ weight's own dtype; every other tensor and file of the base folder is copied as 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from muse.checkpoint.configs import load_config
 from muse.checkpoint.reader import CheckpointReader
 from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
-from muse.lora.peft_adapter import AdapterError, LoRAWeights, read_adapter
-
-
-def _delta(weights: LoRAWeights) -> torch.Tensor:
-    """scaling * B @ A: [out, in], or [E, out, in] for stacked experts."""
-    return weights.scaling * torch.matmul(weights.b, weights.a)
+from muse.lora.peft_adapter import AdapterError, read_adapter
 
 
 def _target_name(reader: CheckpointReader, key: str) -> str:
@@ -39,17 +34,13 @@ def merge_adapter(base: str | Path, adapter: str | Path, destination: str | Path
     base, destination = Path(base), Path(destination)
     if destination.exists() and destination.resolve() == base.resolve():
         raise ValueError("write the merged checkpoint to another folder than its base")
-    config = json.loads((base / "config.json").read_text())
-    text = config.get("text_config", config)
-    experts = text.get("num_experts") or text.get("num_local_experts")
-    lora = read_adapter(adapter, num_experts=experts)
+    lora = read_adapter(adapter, num_experts=load_config(base).text_config.num_experts)
     with CheckpointReader(base) as reader:
         targets = {_target_name(reader, key): weights for key, weights in lora.weights.items()}
         for name, weights in targets.items():
-            shape, delta_shape = reader.shape(name), tuple(_delta_shape(weights))
-            if shape != delta_shape:
-                raise AdapterError(f"`{name}` is {shape} in the base checkpoint, but the "
-                                   f"adapter's delta is {delta_shape}")
+            if reader.shape(name) != weights.delta_shape:
+                raise AdapterError(f"`{name}` is {reader.shape(name)} in the base checkpoint, "
+                                   f"but the adapter's delta is {weights.delta_shape}")
         specs = [TensorSpec(name, reader.shape(name), reader.dtype(name))
                  for name in reader.names()]
 
@@ -57,14 +48,9 @@ def merge_adapter(base: str | Path, adapter: str | Path, destination: str | Path
             tensor = reader.get(spec.name)
             if spec.name not in targets:
                 return tensor
-            merged = tensor.float() + _delta(targets[spec.name])
+            merged = tensor.float() + targets[spec.name].delta()
             return merged.to(spec.dtype)
 
         write_tensors(destination, specs, produce)
     copy_other_files(base, destination)
     return sorted(targets)
-
-
-def _delta_shape(weights: LoRAWeights) -> torch.Size:
-    b, a = weights.b, weights.a
-    return torch.Size([*b.shape[:-1], a.shape[-1]])

@@ -57,6 +57,15 @@ class LoRAWeights:
     def rank(self) -> int:
         return self.a.shape[-2]
 
+    @property
+    def delta_shape(self) -> tuple[int, ...]:
+        """The adapted weight's shape: [out, in], or [E, out, in]."""
+        return (*self.b.shape[:-1], self.a.shape[-1])
+
+    def delta(self) -> torch.Tensor:
+        """scaling * B @ A, the change the adapter makes to the weight (float32)."""
+        return self.scaling * torch.matmul(self.b, self.a)
+
 
 @dataclass
 class PeftAdapter:
