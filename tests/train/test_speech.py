@@ -261,3 +261,5 @@ def test_the_bundle_runs_without_the_system_install(tmp_path: Path) -> None:
                            env={"LD_TRACE_LOADED_OBJECTS": "1", "LD_LIBRARY_PATH": f"{root}/lib"},
                            check=True).stdout
     assert f"libespeak-ng.so.1 => {root}/lib/" in trace
+    # Its sound-output library is the bundle's stub, so no sound server's libraries load.
+    assert f"libpcaudio.so.0 => {root}/lib/" in trace and "libpulse" not in trace
