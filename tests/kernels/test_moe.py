@@ -314,3 +314,57 @@ def test_small_experts_skip_the_alignment_past_one_pair_per_expert(
     down = torch.randn(num_experts, latent, inter, device=DEVICE, dtype=torch.bfloat16)
     moe_triton.fused_experts(x, weights, ids, gate_up, down, None, 1e-6)
     assert [flag for _, flag in launches[:2]] == [True, True]  # (numerics: forced-mode tests)
+
+
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                      reason="this torch has no torch._grouped_mm")
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "chosen"), [
+    (37, 8, 2, None), (64, 8, 4, None), (37, 8, 2, [0, 3, 7]), (5, 8, 1, [6])])
+def test_grouped_mm_path_matches_the_twin(num_tokens: int, num_experts: int, top_k: int,
+                                          chosen: list[int] | None, norm: bool) -> None:
+    """The grouped-GEMM path (prefill-sized dense experts on Hopper) rounds where the twin
+    does; experts that get no pair are empty groups."""
+    moe = make_moe(num_experts, top_k, latent=32, inter=48, norm=norm, dtype=torch.bfloat16)
+    x = make_tokens(moe, num_tokens, chosen=chosen)
+    with torch.no_grad():
+        twin, ids = run_fused(fused_experts_torch, moe, x)
+        grouped, _ = run_fused(moe_triton.grouped_mm_experts, moe, x)
+    assert grouped.dtype == torch.bfloat16
+    assert_close(grouped, twin, torch.bfloat16)
+    if chosen is not None:
+        assert set(ids.unique().tolist()) == set(chosen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped path needs a GPU")
+def test_prefill_sized_calls_take_the_grouped_path_and_replay_in_a_graph() -> None:
+    moe = make_moe(16, 4, latent=64, inter=128, norm=True, dtype=torch.bfloat16)
+    experts = moe.experts
+    num_tokens = moe_triton.GROUPED_MM_MIN_PAIRS // 4 + 3
+    x = make_tokens(moe, num_tokens, chosen=None)
+    static = {"x": moe.pooler(x).detach().clone()}
+    static["weights"], static["ids"] = route(moe.gate(x), moe.config)
+    grouped = (torch.cuda.get_device_capability()[0] >= 9 and moe_triton.GROUPED_MM)
+    assert moe_triton.use_grouped_mm(static["x"], experts.gate_up_proj, experts.down_proj,
+                                     num_tokens * 4, None) == grouped
+
+    def step() -> torch.Tensor:
+        return fused_experts_triton(static["x"], static["weights"], static["ids"],
+                                    experts.gate_up_proj, experts.down_proj,
+                                    experts.norm_weight, experts.eps)
+
+    with torch.no_grad():
+        graph, out = capture(step)
+        for seed, chosen in ((7, None), (8, [2]), (9, [0, 5, 11, 12])):
+            x = make_tokens(moe, num_tokens, chosen=chosen, seed=seed)
+            weights, ids = route(moe.gate(x), moe.config)
+            static["x"].copy_(moe.pooler(x))
+            static["weights"].copy_(weights)
+            static["ids"].copy_(ids)
+            graph.replay()
+            expected = fused_experts_torch(static["x"], weights, ids, experts.gate_up_proj,
+                                           experts.down_proj, experts.norm_weight, experts.eps)
+            assert_close(out, expected, torch.bfloat16)
