@@ -28,7 +28,6 @@ bytes, and turns each loaded tile into the activation dtype with its rows' scale
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -379,13 +378,11 @@ def _gemm2_kernel(
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, row_of_pair_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
+    y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
     latent, eps, stride_ym, stride_ne, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr,
-    ROW_OF_PAIR: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[t] = sum_j weights[t, j] * rmsnorm(y[r(t*k + j)]) * norm_weight[ids[t, j]], where
-    r(p) = p, or row_of_pair[p] when y is in another order (ROW_OF_PAIR)."""
+    """out[t] = sum_j weights[t, j] * rmsnorm(y[t*k + j]) * norm_weight[ids[t, j]]."""
     start_dependent_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_L)
@@ -393,8 +390,7 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         pair = token * TOP_K + slot
-        y_row = tl.load(row_of_pair_ptr + pair).to(tl.int64) if ROW_OF_PAIR else pair
-        row = tl.load(y_ptr + y_row * stride_ym + cols, mask=col_ok, other=0.0).to(tl.float32)
+        row = tl.load(y_ptr + pair * stride_ym + cols, mask=col_ok, other=0.0)
         if HAS_NORM:
             expert = tl.load(ids_ptr + pair)
             mean_square = tl.sum(row * row, axis=0) / latent
@@ -487,9 +483,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if one_pair_per_block is None:
         one_pair_per_block = use_one_pair_per_block(
             num_pairs, num_experts, _stored_bytes(gate_up) + _stored_bytes(down))
-        if tiles is None and use_grouped_mm(x, gate_up, down, num_pairs, reduce_pairs):
-            return _grouped_mm_experts(x, weights, expert_ids, gate_up, down, norm_weight,
-                                       eps, out)
 
     # The kernels index expert_ids and weights as flat [T*k] arrays. route's outputs already
     # are contiguous, weights float32: then nothing is copied (no torch op runs at all).
@@ -560,79 +553,15 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         # stride; a contiguous result (the usual case) is not copied.
         y = reduce_pairs(y).contiguous()
 
-    return _combine(y, None, weights, expert_ids, norm_weight, eps, out)
-
-
-def _combine(y: torch.Tensor, row_of_pair: torch.Tensor | None, weights: torch.Tensor,
-             expert_ids: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-             out: torch.Tensor) -> torch.Tensor:
-    """Step 4 into `out`: each token's k rows of y (pair order, or y[row_of_pair[p]])
-    normed, weighted and summed; y float32 or in the activation dtype."""
-    num_tokens, latent = out.shape
     has_norm = norm_weight is not None
     norm = y  # any pointer; never read without norm
     if has_norm:
         norm = norm_weight if norm_weight.stride(1) == 1 else norm_weight.contiguous()
     block_l = triton.next_power_of_2(latent)
     _combine_kernel[(num_tokens,)](
-        y, y if row_of_pair is None else row_of_pair, weights, expert_ids, norm, out,
+        y, weights, expert_ids, norm, out,
         latent, eps, y.stride(0), norm.stride(0), out.stride(0),
-        TOP_K=expert_ids.shape[1], BLOCK_L=block_l, HAS_NORM=has_norm,
-        ROW_OF_PAIR=row_of_pair is not None, num_warps=4 if block_l <= 2048 else 8,
-        **pdl_options(out.device),
+        TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
+        num_warps=4 if block_l <= 2048 else 8, **pdl,
     )
     return out
-
-
-# Prefill-sized calls of dense experts may run their two GEMMs as grouped GEMMs
-# (`torch._grouped_mm`: CUTLASS kernels on Hopper's wgmma) instead of the Triton tiles above,
-# which reach about 250 TFLOP/s on the 15B shape's 640-wide experts. `MUSE_GROUPED_MM=0`
-# turns it off; GROUPED_MM_MIN_PAIRS is where it starts.
-GROUPED_MM = os.environ.get("MUSE_GROUPED_MM", "1") == "1"
-GROUPED_MM_MIN_PAIRS = 4096
-
-
-def use_grouped_mm(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight,
-                   num_pairs: int, reduce_pairs: PairReduce | None) -> bool:
-    """Whether `fused_experts` takes the grouped-GEMM path: dense bf16 / fp16 experts on a
-    GPU of compute capability 9.0 or newer, enough pairs, and no per-pair reduction over
-    ranks (the grouped path keeps y in the activation dtype and sorted by expert)."""
-    return (GROUPED_MM and num_pairs >= GROUPED_MM_MIN_PAIRS and reduce_pairs is None
-            and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
-            and hasattr(torch, "_grouped_mm")
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in (gate_up, down)))
-
-
-def grouped_mm_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor,
-                       norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The grouped-GEMM path on any device (tests call it directly on the CPU)."""
-    out = torch.empty_like(x)
-    if expert_ids.numel() == 0:
-        return out
-    return _grouped_mm_experts(x, weights.float().contiguous(), expert_ids.contiguous(),
-                               gate_up, down, norm_weight, eps, out)
-
-
-def _grouped_mm_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor,
-                        norm_weight: torch.Tensor | None, eps: float,
-                        out: torch.Tensor) -> torch.Tensor:
-    """Pairs sorted by expert, each GEMM one grouped launch over the experts' row ranges,
-    then the combine reading y through the sort. It rounds where `fused_experts_torch` does
-    (both products' outputs and h in the activation dtype), and asks the host for nothing:
-    the experts' row offsets stay on the device."""
-    top_k = expert_ids.shape[1]
-    inter = down.shape[2]
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
-    rows = x.index_select(0, order // top_k)
-    gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
-    gate, up = gate_up_out.float().split(inter, dim=1)
-    h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    y = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)
-    row_of_pair = torch.empty_like(order)
-    row_of_pair[order] = torch.arange(order.numel(), device=order.device)
-    return _combine(y, row_of_pair, weights, expert_ids, norm_weight, eps, out)
