@@ -55,19 +55,33 @@ def _steps_until_done(llm, steps: int | None = None) -> tuple[float, int]:
 def _kernel_table(prof, per: int) -> list[dict]:
     """GPU kernels by total time, per step (decode) or per prompt (prefill)."""
     kernels = []
+    on_gpu = torch.cuda.is_available()
     for event in prof.key_averages():
-        # On a CPU run (a smoke test) the operators' own CPU time stands in.
-        gpu_us = getattr(event, "device_time_total", 0.0) or (
-            0.0 if torch.cuda.is_available() else event.self_cpu_time_total)
+        # The GPU's own events (kernels, copies); on a CPU run (a smoke test) the operators'
+        # own CPU time stands in.
+        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        gpu_us = event.device_time_total if on_gpu else event.self_cpu_time_total
         if gpu_us > 0:
             kernels.append({"name": event.key[:90], "calls_per_step": event.count / per,
                             "us_per_step": gpu_us / per})
     return sorted(kernels, key=lambda k: -k["us_per_step"])
 
 
+def _runtime_table(prof, per: int) -> list[dict]:
+    """The host's CUDA runtime and driver calls (launches, copies, synchronizations,
+    allocations) by host time, per step or prompt: what keeps the GPU waiting when the step
+    takes longer than its kernels."""
+    calls = [{"name": event.key, "calls_per_step": event.count / per,
+              "host_us_per_step": event.self_cpu_time_total / per}
+             for event in prof.key_averages()
+             if event.key.startswith(("cuda", "cu")) and event.self_cpu_time_total > 0]
+    return sorted(calls, key=lambda c: -c["host_us_per_step"])
+
+
 def _activities(device: torch.device) -> list:
     kind = torch.profiler.ProfilerActivity
-    return [kind.CUDA] if device.type == "cuda" else [kind.CPU]
+    return [kind.CPU, kind.CUDA] if device.type == "cuda" else [kind.CPU]
 
 
 def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
@@ -122,6 +136,12 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
           f"({tokens / elapsed:.1f} tokens/s), kernels {total_us / 1e3:.3f} ms per {unit}")
     for k in kernels[:top]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
+    runtime = _runtime_table(prof, per) if device.type == "cuda" else []
+    if runtime:
+        print(f"  host CUDA runtime calls per {unit} (profiled run):")
+    for call in runtime[:10]:
+        print(f"  {call['host_us_per_step']:9.1f} us  x{call['calls_per_step']:6.1f}  "
+              f"{call['name']}")
     llm.shutdown()  # ends its worker processes and leaves their world
     del llm
     free_memory(device)
@@ -129,7 +149,7 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
             "phase": phase, "batch": batch,
             "context": context,
             "eager": enforce_eager, "step_ms": elapsed * 1e3, "kernel_ms": total_us / 1e3,
-            "kernels": kernels[:top]}
+            "kernels": kernels[:top], "runtime_calls": runtime[:top]}
 
 
 def main(argv: list[str] | None = None) -> dict:
