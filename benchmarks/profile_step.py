@@ -11,6 +11,8 @@ CUDA graphs when both are asked for (`--modes`). Writes the table as JSON with `
         --context 8192 --modes graphs
     python benchmarks/profile_step.py --shape muse-spark-15b-a2b --modes graphs \
         --quantization nvfp4-w4a16
+    python benchmarks/profile_step.py --shape muse-spark-15b-a2b --phase prefill \
+        --context 8192 --modes graphs --trace prefill.json   # then benchmarks/gpu_idle.py
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
 
 def profile(shape: str, phase: str, batch: int, context: int, steps: int,
             enforce_eager: bool, top: int, device: torch.device,
-            quantization: str | None = None, parallel: dict | None = None) -> dict:
+            quantization: str | None = None, parallel: dict | None = None,
+            trace: str | None = None) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     llm, _ = build_muse(shape, device, dtype, enforce_eager=enforce_eager,
                         max_num_seqs=max(batch, 1), gpu_memory_utilization=0.85,
@@ -127,6 +130,8 @@ def profile(shape: str, phase: str, batch: int, context: int, steps: int,
         with torch.profiler.profile(activities=_activities(device)) as prof:
             prefill("profiled")
         tokens = batch * context
+    if trace:  # the profiled run's timeline, for benchmarks/gpu_idle.py or a trace viewer
+        prof.export_chrome_trace(trace)
     kernels = _kernel_table(prof, per)
     total_us = sum(k["us_per_step"] for k in kernels)
     unit = "step" if phase == "decode" else "prefill"
@@ -167,12 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default=None, choices=ONLINE_FORMATS,
                         help="quantize the random weights as they load (default: none)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", default=None,
+                        help="write the profiled run's Chrome trace here (MODE replaced by the "
+                             "mode, when several are run)")
     add_parallel_args(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     runs = [profile(args.shape, args.phase, args.batch, args.context, args.steps,
                     mode == "eager", args.top, device, args.quantization,
-                    parallel_engine_args(args))
+                    parallel_engine_args(args),
+                    args.trace and args.trace.replace("MODE", mode))
             for mode in args.modes.split(",")]
     record = {"environment": environment(device), "runs": runs}
     write_json(args.out, record)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import latency, profile_step, quantized_speed, spec_decode, throughput
+from benchmarks import gpu_idle, latency, profile_step, quantized_speed, spec_decode, throughput
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -169,6 +169,50 @@ def test_profile_step_runs_on_cpu(phase, tmp_path):
     (run,) = record["runs"]
     assert run["phase"] == phase and run["step_ms"] > 0 and run["kernels"]
     assert json.loads(out.read_text())["runs"][0]["context"] == 24
+
+
+def test_profile_step_writes_its_trace_on_cpu(tmp_path):
+    trace = tmp_path / "MODE.json"
+    profile_step.main(["--shape", "muse-spark-tiny", "--device", "cpu", "--phase", "prefill",
+                       "--context", "24", "--modes", "eager", "--trace", str(trace)])
+    events = gpu_idle.load_events(tmp_path / "eager.json")
+    assert any(e.get("cat") == "cpu_op" for e in events)
+    with pytest.raises(ValueError, match="no GPU events"):
+        gpu_idle.analyse(events)
+
+
+def _event(cat, name, ts, dur, tid=1, correlation=None):
+    args = {} if correlation is None else {"correlation": correlation}
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_gpu_idle_charges_each_gap_to_the_launch_that_ends_it(tmp_path):
+    events = [
+        # Host: an operator launches kernel a early; a later one launches b after a ended
+        # (host-late: 30 us idle); c was launched early but starts 10 us after b (device).
+        _event("cpu_op", "aten::mm", 0, 10), _event("cuda_runtime", "cudaLaunchKernel", 2, 3,
+                                                     correlation=1),
+        _event("cpu_op", "triton_slow_op", 40, 100), _event("cpu_op", "inner", 50, 15),
+        _event("cuda_runtime", "cuLaunchKernelEx", 60, 5, correlation=2),
+        _event("cuda_runtime", "cuLaunchKernelEx", 70, 2, correlation=3),
+        _event("kernel", "a", 10, 25, tid=7, correlation=1),  # busy 10-35
+        _event("kernel", "b", 65, 20, tid=7, correlation=2),  # idle 35-65 (host late)
+        _event("kernel", "c", 95, 5, tid=7, correlation=3),   # idle 85-95 (device)
+        _event("gpu_memset", "Memset (Device)", 97, 1, tid=7),  # inside c: no gap
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = tmp_path / "idle.json"
+    result = gpu_idle.main([str(path), "--min-gap-us", "5", "--out", str(out)])
+    assert result["span_us"] == 90 and result["busy_us"] == 50 and result["idle_us"] == 40
+    assert result["gaps"] == 2 and result["host_late_us"] == 30
+    assert result["lead_in_us"] == 10
+    first, second = result["largest"]
+    assert (first["idle_us"], first["next"], first["host_late"], first["launched_by"]) == \
+        (30, "b", True, "inner")
+    assert (second["idle_us"], second["host_late"]) == (10, False)
+    assert result["by_launching_op"] == {"inner": 30, "triton_slow_op": 10}
+    assert json.loads(out.read_text())["idle_us"] == 40
 
 
 def test_profile_step_quantizes_the_weights(tmp_path):
