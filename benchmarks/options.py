@@ -80,6 +80,9 @@ def add_muse_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     muse_group.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                             help="longest one-request prefill step replayed from a CUDA "
                                  "graph (default: the engine's; 0: none)")
+    muse_group.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                            help="longest other step replayed from piecewise CUDA graphs "
+                                 "(default: the engine's)")
     return muse_group
 
 

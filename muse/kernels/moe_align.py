@@ -1,7 +1,8 @@
 """Grouping a MoE layer's (token, slot) pairs by expert into fixed-size blocks.
 
-Used by the Triton experts path (`moe_triton.py`) and its tests; torch ops of static shapes
-only, so it can run inside a captured CUDA graph.
+The torch twin of `moe_align_triton.align_pairs_triton`, which the Triton experts path
+(`moe_triton.py`) runs: torch ops of static shapes only, so it too could run inside a captured
+CUDA graph.
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ replayed with any routing.
 
 Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 
-* aligned (many pairs): `align_pairs` sorts the pairs by expert into BLOCK_M-row blocks, so
-  each expert's weights are streamed once per block of its pairs;
+* aligned (many pairs): `align_pairs_triton` (one launch) sorts the pairs by expert into
+  BLOCK_M-row blocks, so each expert's weights are streamed once per block of its pairs;
 * one pair per block (decode: T*k <= min(64, E), or up to 64 pairs over experts that fit in
   L2; see `use_one_pair_per_block`): no alignment.
   Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
   call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
-  instead of those three after a dozen tiny torch ops, which is what a decode step's time is
-  made of.
+  one fewer than aligned.
 
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
@@ -35,7 +34,8 @@ import triton
 import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
-from muse.kernels.moe_align import PairReduce, align_pairs
+from muse.kernels.moe_align import PairReduce
+from muse.kernels.moe_align_triton import align_pairs_triton
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
@@ -500,7 +500,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         num_blocks = num_rows = num_pairs
     else:
         tiles = tiles or choose_tiles(num_pairs, num_experts)
-        sorted_pairs, block_expert = align_pairs(expert_ids, num_experts, tiles.block_m)
+        sorted_pairs, block_expert = align_pairs_triton(expert_ids, num_experts,
+                                                        tiles.block_m)
         num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
     # Float32 models are the precise reference configuration: keep TF32 out of their dots.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
