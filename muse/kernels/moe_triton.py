@@ -27,6 +27,7 @@ bytes, and turns each loaded tile into the activation dtype with its rows' scale
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
-from muse.kernels.moe_align import PairReduce
+from muse.kernels.moe_align import PairReduce, align_pairs
 from muse.kernels.moe_align_triton import align_pairs_triton
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
@@ -56,6 +57,9 @@ DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 # dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128. FP8 ones keep
 # the dense tiles: their 256-column GEMM 2 compiles without spills.
 FP4_MAX_GEMM2_BLOCK_N = 128
+
+# The alignment in one launch (`align_pairs_triton`); `MUSE_ALIGN_TRITON=0`: its torch twin.
+ALIGN_IN_ONE_LAUNCH = os.environ.get("MUSE_ALIGN_TRITON", "1") == "1"
 
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
 ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64
@@ -500,8 +504,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         num_blocks = num_rows = num_pairs
     else:
         tiles = tiles or choose_tiles(num_pairs, num_experts)
-        sorted_pairs, block_expert = align_pairs_triton(expert_ids, num_experts,
-                                                        tiles.block_m)
+        align = align_pairs_triton if ALIGN_IN_ONE_LAUNCH else align_pairs
+        sorted_pairs, block_expert = align(expert_ids, num_experts, tiles.block_m)
         num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
     # Float32 models are the precise reference configuration: keep TF32 out of their dots.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
