@@ -61,9 +61,9 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
         tl.store(sorted_ptr + written + rank, pairs.to(tl.int64), mask=hit > 0)
         written += tl.sum(hit)
     # The run's padding (fewer than BLOCK_M rows) and its blocks.
-    rows = run_start + count + tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + rows, tl.full([BLOCK_M], 0, tl.int64) + num_pairs,
-             mask=rows < run_end)
+    padding = run_start + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + padding, tl.full([BLOCK_M], 0, tl.int64) + num_pairs,
+             mask=padding < run_end)
     for block in range(run_start // BLOCK_M, run_end // BLOCK_M):
         tl.store(block_expert_ptr + block, expert.to(tl.int64))
 

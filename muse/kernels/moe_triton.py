@@ -7,13 +7,14 @@ replayed with any routing.
 
 Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 
-* aligned (many pairs): `align_pairs_triton` (one launch) sorts the pairs by expert into
-  BLOCK_M-row blocks, so each expert's weights are streamed once per block of its pairs;
+* aligned (many pairs): `align_pairs` (or `align_pairs_triton`, one launch) sorts the pairs
+  by expert into BLOCK_M-row blocks, so each expert's weights are streamed once per block of
+  its pairs;
 * one pair per block (decode: T*k <= min(64, E), or up to 64 pairs over experts that fit in
   L2; see `use_one_pair_per_block`): no alignment.
   Block b is pair b, its expert is expert_ids.flatten()[b], and only its row 0 is valid. The
   call is then exactly three launches (GEMM 1, GEMM 2, combine) plus the output allocations,
-  one fewer than aligned.
+  instead of those three after the alignment.
 
 Either GEMM's weight may be FP4 (`muse.kernels.w4a16.Fp4Weight`): the kernels' `FP4` switch
 (a compile-time constant) replaces the dense weight loads by the packed-tile dequantization of
@@ -58,8 +59,10 @@ DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 # the dense tiles: their 256-column GEMM 2 compiles without spills.
 FP4_MAX_GEMM2_BLOCK_N = 128
 
-# The alignment in one launch (`align_pairs_triton`); `MUSE_ALIGN_TRITON=0`: its torch twin.
-ALIGN_IN_ONE_LAUNCH = os.environ.get("MUSE_ALIGN_TRITON", "1") == "1"
+# The alignment in one launch (`align_pairs_triton`, `MUSE_ALIGN_TRITON=1`) instead of its
+# torch twin: equal outputs, tested under the interpreter and compiled for sm_90, but not yet
+# timed on a GPU (docs/performance.md, "Prefill: where the GPU waits for the host"), so off.
+ALIGN_IN_ONE_LAUNCH = os.environ.get("MUSE_ALIGN_TRITON", "0") == "1"
 
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
 ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64

@@ -36,6 +36,13 @@ HIDDEN = 24
 
 
 
+@pytest.fixture(params=[False, True], ids=["torch_align", "one_launch_align"])
+def align_in_one_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both alignments of the aligned path (`MUSE_ALIGN_TRITON`)."""
+    monkeypatch.setattr(moe_triton, "ALIGN_IN_ONE_LAUNCH", request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def experts_never_l2_resident(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests' experts are tiny, so every call of up to 64 pairs would skip the alignment
@@ -106,7 +113,7 @@ def check_layer(moe: LatentMoE, x: torch.Tensor, dtype: torch.dtype) -> torch.Te
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [
     (1, 8, 1), (1, 8, 4), (3, 4, 2), (3, 8, 4), (37, 4, 1), (37, 8, 2), (37, 8, 4)])
 def test_matches_reference_layer(num_tokens: int, num_experts: int, top_k: int, norm: bool,
-                                 dtype: torch.dtype) -> None:
+                                 dtype: torch.dtype, align_in_one_launch: bool) -> None:
     # One pair per block at 1 and 4 pairs over 8 experts, the aligned path everywhere else.
     one_pair = (num_tokens, num_experts, top_k) in ((1, 8, 1), (1, 8, 4))
     assert use_one_pair_per_block(num_tokens * top_k, num_experts) == one_pair
@@ -123,7 +130,8 @@ def test_matches_reference_layer(num_tokens: int, num_experts: int, top_k: int, 
     (2, [1, 6]),        # every token on the same two experts
     (2, [0, 3, 7]),     # three experts share all pairs, five get none
 ])
-def test_concentrated_routing(top_k: int, chosen: list[int], dtype: torch.dtype) -> None:
+def test_concentrated_routing(top_k: int, chosen: list[int], dtype: torch.dtype,
+                              align_in_one_launch: bool) -> None:
     moe = make_moe(8, top_k, latent=32, inter=32, norm=True, dtype=dtype, seed=2)
     x = make_tokens(moe, 37, chosen=chosen)
     ids = check_layer(moe, x, dtype)
@@ -196,7 +204,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool | 
     (3, 8, 4, False),      # more pairs than experts
 ])
 def test_threshold_and_decode_launches(monkeypatch: pytest.MonkeyPatch, num_tokens: int,
-                                       num_experts: int, top_k: int, one_pair: bool) -> None:
+                                       num_experts: int, top_k: int, one_pair: bool,
+                                       align_in_one_launch: bool) -> None:
     """One pair per block: three launches and output allocations, no other torch op at all;
     aligned: the alignment's launch first, and no torch op but allocations and views."""
     assert ONE_PAIR_PER_BLOCK_MAX_PAIRS == 64
@@ -211,13 +220,17 @@ def test_threshold_and_decode_launches(monkeypatch: pytest.MonkeyPatch, num_toke
     with _OpLog() as log:
         moe_triton.fused_experts(x, weights, ids, gate_up, down, norm, 1e-6)
     kernels = ["_gemm1_swiglu_kernel", "_gemm2_kernel", "_combine_kernel"]
-    assert [name for name, _ in launches] == kernels if one_pair else ["_align_kernel", *kernels]
+    one_launch_align = not one_pair and align_in_one_launch
+    assert [name for name, _ in launches] == \
+        (["_align_kernel", *kernels] if one_launch_align else kernels)
     assert [flag for _, flag in launches[-3:-1]] == [one_pair, one_pair]
     allocations = {"aten.empty.memory_format"}
     if one_pair:
         assert set(log.ops) == allocations and len(log.ops) == 3  # out, h, y
-    else:
+    elif one_launch_align:
         assert set(log.ops) <= allocations | {"aten.view.default"}
+    else:
+        assert len(set(log.ops) - allocations) > 5  # align_pairs' ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -340,3 +353,19 @@ def test_align_in_one_launch_equals_the_twin(num_tokens: int, num_experts: int, 
     # A different routing gives a different grouping (the comparison can fail).
     shifted = align_pairs_triton((ids + 1) % num_experts, num_experts, block_m)
     assert not torch.equal(shifted[1], expected[1]) or not torch.equal(shifted[0], expected[0])
+
+
+def test_align_kernel_compiles_for_hopper() -> None:
+    """The interpreter accepts loop-carried values whose shape changes; Hopper's compile does
+    not (what the tests above cannot see)."""
+    from tests.kernels.hopper_compile import assert_script_compiles
+    assert_script_compiles(r"""
+from tests.kernels.hopper_compile import compile_for_hopper
+from muse.kernels import moe_align_triton as a
+pointers = {"ids_ptr": "*i64", "sorted_ptr": "*i64", "block_expert_ptr": "*i64"}
+for block_m, experts in ((16, 128), (128, 256), (64, 8)):
+    for pdl in (False, True):
+        compile_for_hopper(a._align_kernel, pointers,
+                           dict(BLOCK_M=block_m, BLOCK_E=experts, CHUNK=a.CHUNK, PDL=pdl), set())
+print("compiled")
+""")
