@@ -41,6 +41,7 @@ from benchmarks.engines import (
 from benchmarks.options import (
     add_common_args,
     check_common_args,
+    graph_engine_args,
     num_gpus,
     parallel_engine_args,
     parse_list,
@@ -114,8 +115,7 @@ def run_muse(args: argparse.Namespace, device, text, roofline: Roofline) -> dict
         detokenize=args.detokenize, seed=args.seed, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+        **graph_engine_args(args),
         overlap_schedule=not args.disable_overlap_schedule, **parallel_engine_args(args))
     first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     full = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)

@@ -86,6 +86,12 @@ def add_muse_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return muse_group
 
 
+def graph_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The CUDA-graph settings of `add_muse_args`, as engine arguments (None: the engine's)."""
+    return {"prefill_graph_max_tokens": args.prefill_graph_max_tokens,
+            "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}
+
+
 def add_parallel_args(group: argparse._ActionsContainer) -> None:
     """The engine's parallel layout, with vLLM's flags (default: one GPU)."""
     group.add_argument("--tensor-parallel-size", type=int, default=1)

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.engines import build_muse, free_memory, random_prompt, synchronize, timed
-from benchmarks.options import (add_muse_args, add_roofline_args, add_run_args, parse_list,
-                                resolve_device)
+from benchmarks.options import (add_muse_args, add_roofline_args, add_run_args,
+                                graph_engine_args, parse_list, resolve_device)
 from benchmarks.report import environment, fmt, table, write_json
 from benchmarks.roofline import kv_read_bytes
 from benchmarks.shapes import shape_record, text_config
@@ -98,7 +98,7 @@ def build(args: argparse.Namespace, device, form: str, kv_cache_dtype: str) -> A
                           args.context + args.decode_tokens,
                           args.prompt_tokens + args.output_tokens),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, **graph_engine_args(args))
     return llm
 
 

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.engines import build_muse, free_memory, random_prompt, synchronize  # noqa: E402
 from benchmarks.options import (add_muse_args, add_roofline_args, add_run_args,  # noqa: E402
-                                parse_list, resolve_device)
+                                graph_engine_args, parse_list, resolve_device)
 from benchmarks.report import environment, error_text, fmt, table, write_json  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     ROOFLINE_NOTE,
@@ -302,6 +302,7 @@ def run(args: argparse.Namespace, device, record: dict[str, Any]) -> None:
         max_model_len=args.context + margin + k_max + 1, max_num_seqs=largest,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, overlap_schedule=False,
+        **graph_engine_args(args),
         # Speculation makes the engine capture its verify graphs; n-gram needs no drafter.
         speculative_config={"method": "ngram", "num_speculative_tokens": k_max})
     info["build_s"] = time.perf_counter() - started
