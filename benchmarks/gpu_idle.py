@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+HOST_CATEGORIES = ("cpu_op", "user_annotation")
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -42,7 +43,7 @@ class _HostOps:
     def __init__(self, events: list[dict]) -> None:
         self.by_thread: dict[Any, list[dict]] = defaultdict(list)
         for event in events:
-            if event.get("cat") in ("cpu_op", "user_annotation"):
+            if event.get("cat") in HOST_CATEGORIES:
                 self.by_thread[event.get("tid")].append(event)
         self.starts = {}
         for tid, ops in self.by_thread.items():
@@ -94,8 +95,9 @@ def analyse(events: list[dict], min_gap_us: float = 5.0, top: int = 15) -> dict:
     by_op: dict[str, float] = defaultdict(float)
     for gap in counted:
         by_op[gap["launched_by"] or "?"] += gap["idle_us"]
-    host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
-    lead_in = gpu[0]["ts"] - min((e["ts"] for e in host_ops), default=gpu[0]["ts"])
+    first_host = min((starts[0] for starts in host.starts.values() if starts),
+                     default=gpu[0]["ts"])
+    lead_in = gpu[0]["ts"] - first_host
     return {
         "span_us": span, "busy_us": busy, "idle_us": span - busy,
         "lead_in_us": max(0.0, lead_in),

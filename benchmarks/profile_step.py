@@ -77,7 +77,7 @@ def _runtime_table(prof, per: int) -> list[dict]:
     calls = [{"name": event.key, "calls_per_step": event.count / per,
               "host_us_per_step": event.self_cpu_time_total / per}
              for event in prof.key_averages()
-             if event.key.startswith(("cuda", "cu")) and event.self_cpu_time_total > 0]
+             if event.key.startswith("cu") and event.self_cpu_time_total > 0]
     return sorted(calls, key=lambda c: -c["host_us_per_step"])
 
 
