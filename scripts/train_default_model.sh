@@ -25,6 +25,8 @@
 # (`muse train encoders`, on labels the generated media carry), from INIT_FROM, and the
 # decoder stage then starts from its output and reuses its speech pool.
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
+# SLIDING_WINDOW=N trains with that window in the decoder's sliding layers (default: the
+# preset's).
 # COMPILE=1 compiles the decoder layers (`--compile`: a minute or two of compiling, then
 # fewer, fused kernels a step).
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
@@ -89,6 +91,7 @@ if [ -n "${STEPS:-}" ]; then TRAIN+=(--schedule-steps "$STEPS"); fi
 if [ -n "${TASK_WEIGHTS:-}" ]; then TRAIN+=(--task-weights "$TASK_WEIGHTS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
 if [ -n "${COMPILE:-}" ]; then TRAIN+=(--compile); fi
+if [ -n "${SLIDING_WINDOW:-}" ]; then TRAIN+=(--sliding-window "$SLIDING_WINDOW"); fi
 echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 

@@ -2,10 +2,13 @@
 misses on both is not learned (more of it, or other data), one it misses on held-out cases
 alone does not generalize (other words, other phrasings).
 
-    python scripts/unseen_tool_splits.py MODEL [MODEL ...] [--num 60] [--json OUT]
+    python scripts/unseen_tool_splits.py MODEL [MODEL ...] [--num 60] [--splits train,held_out]
+                                         [--json OUT]
 
 `--num` cases of each split, the kinds (call, choose, no_tool) in turn, asked and scored as
 `muse eval --sections unseen_tools` asks and scores its own (greedy, the same measures).
+Ninety cases tell two models apart by about 0.15 (30 a kind); a comparison of probes wants
+several hundred held-out cases (`--splits held_out --num 300`).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ def split_cases(split: str, num: int, seed: int = 0) -> list[UnseenToolCase]:
     return cases_in_turn(random.Random(f"unseen-tool-splits/{split}/{seed}"), split, num)
 
 
-def score_model(model: str, num: int) -> dict[str, Any]:
+def score_model(model: str, num: int, splits: tuple[str, ...] = (TRAIN, HELD_OUT)
+                ) -> dict[str, Any]:
     """The section's metrics (overall and by kind) on each split."""
     llm = LLM(model)
     scored: dict[str, Any] = {"model": model}
-    for split in (TRAIN, HELD_OUT):
+    for split in splits:
         result = evaluate_tool_cases(llm, split_cases(split, num), f"splits/{split}",
                                      f"unseen tools ({split})", EvalSettings.max_tokens,
                                      progress=False)
@@ -43,17 +47,27 @@ def score_model(model: str, num: int) -> dict[str, Any]:
     return scored
 
 
+def _splits(text: str) -> tuple[str, ...]:
+    splits = tuple(part.strip() for part in text.split(","))
+    unknown = [split for split in splits if split not in (TRAIN, HELD_OUT)]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"splits are {TRAIN} and {HELD_OUT}, got {text!r}")
+    return splits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help="checkpoint folders")
     parser.add_argument("--num", type=int, default=60, help="cases of each split")
+    parser.add_argument("--splits", type=_splits, default=(TRAIN, HELD_OUT),
+                        help="comma-separated, of train and held_out (default: both)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = []
     for model in args.models:
-        scored = score_model(model, args.num)
+        scored = score_model(model, args.num, args.splits)
         results.append(scored)
-        for split in (TRAIN, HELD_OUT):
+        for split in args.splits:
             metrics = scored[split]
             kinds = ", ".join(f"{kind} {cell['right']:.2f}"
                               for kind, cell in metrics["by_kind"].items())

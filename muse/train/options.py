@@ -15,6 +15,8 @@ STATE_FILE = "training_state.pt"
 class PretrainArgs:
     out: str
     preset: str = "muse-spark-default"
+    # The decoder's sliding-window layers' window; None keeps the preset's.
+    sliding_window: int | None = None
     steps: int | None = None  # upper bound; None = as many as the time budget allows
     time_budget_minutes: float | None = None
     # The cosine's length, for a run split over several commands (resumed with --resume):
@@ -54,7 +56,8 @@ class PretrainArgs:
         validate_common(self)
         if self.schedule_steps is not None and self.schedule_steps <= 0:
             raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
-        for name in ("batch_size", "seq_len", "micro_batch_size", "log_every"):
+        for name in ("batch_size", "seq_len", "micro_batch_size", "log_every",
+                     "sliding_window"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -144,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = PretrainArgs(out="")
     parser.add_argument("--out", required=True, help="output folder (a checkpoint + logs)")
     parser.add_argument("--preset", default=defaults.preset, help=f"one of {', '.join(PRESETS)}")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="the window of the decoder's sliding-window layers, in tokens "
+                             "(default: the preset's)")
     add_length_arguments(parser)
     parser.add_argument("--schedule-steps", type=int, default=None,
                         help="length of the learning-rate schedule in steps, for a run split "

@@ -63,10 +63,10 @@ TIMING_SKIP_STEPS = 30
 # budget check ends the run in time anyway).
 SCHEDULE_REFIT_STEPS = 100
 # Arguments that define the model and the data stream: a resumed run must keep them.
-RUN_DEFINING = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                "weight_decay", "grad_clip", "seed", "conversation_share", "task_weights",
-                "aux_loss_coef", "python_packages", "encoder_lr_scale", "speech_pool",
-                "speech_clips", "schedule_steps")
+RUN_DEFINING = ("preset", "sliding_window", "batch_size", "seq_len", "lr", "min_lr_ratio",
+                "warmup_steps", "weight_decay", "grad_clip", "seed", "conversation_share",
+                "task_weights", "aux_loss_coef", "python_packages", "encoder_lr_scale",
+                "speech_pool", "speech_clips", "schedule_steps")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -201,6 +201,9 @@ class Run:
         self.args = args
         self.device = resolve_device(args.device)
         self.config = get_preset(args.preset)
+        if args.sliding_window is not None:
+            self.config.text_config.sliding_window = args.sliding_window
+            self.config.text_config.validate()
         self._choose_batch()
         self.tokenizer = MuseTokenizer.base()
         self.processor = processor_for(self.config, args.preset, self.tokenizer)

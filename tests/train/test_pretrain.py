@@ -183,6 +183,20 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path) -> None:
         _train(second, "--steps", "2", "--resume", "--init-from", str(first))
 
 
+def test_sliding_window_changes_the_saved_model_and_is_kept_on_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    preset_window = get_preset("muse-spark-tiny").text_config.sliding_window
+    _train(out, "--steps", "1", "--sliding-window", str(preset_window * 2))
+    saved = json.loads((out / "config.json").read_text())["text_config"]
+    assert saved["sliding_window"] == preset_window * 2
+    # A resumed run keeps the window it started with, whatever the command says.
+    _train(out, "--steps", "2", "--resume")
+    saved = json.loads((out / "config.json").read_text())["text_config"]
+    assert saved["sliding_window"] == preset_window * 2
+    with pytest.raises(SystemExit):
+        _train(tmp_path / "bad", "--steps", "1", "--sliding-window", "0")
+
+
 def test_the_batch_is_chosen_from_free_memory_and_logged(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # Free memory for two of the tiny model's 1024-token sequences at once.

@@ -42,3 +42,18 @@ def test_the_script_scores_both_splits_and_writes_json(script, monkeypatch, tmp_
         assert scored[split]["count"] == 3
         assert set(scored[split]["by_kind"]) == set(unseen_tools.KINDS)
         assert 0.0 <= scored[split]["right"] <= 1.0
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="needs the shipped checkpoint")
+def test_splits_chooses_what_is_scored(script, monkeypatch, tmp_path) -> None:
+    out = tmp_path / "splits.json"
+    monkeypatch.setattr(sys, "argv", ["unseen_tool_splits.py", str(SHIPPED_CHECKPOINT),
+                                      "--num", "3", "--splits", HELD_OUT, "--json", str(out)])
+    script.main()
+    scored, = json.loads(out.read_text())["models"]
+    assert HELD_OUT in scored and TRAIN not in scored
+    monkeypatch.setattr(sys, "argv", ["unseen_tool_splits.py", str(SHIPPED_CHECKPOINT),
+                                      "--splits", "held_out,test"])
+    with pytest.raises(SystemExit):
+        script.main()
