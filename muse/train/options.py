@@ -56,8 +56,7 @@ class PretrainArgs:
         validate_common(self)
         if self.schedule_steps is not None and self.schedule_steps <= 0:
             raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
-        for name in ("batch_size", "seq_len", "micro_batch_size", "log_every",
-                     "sliding_window"):
+        for name in ("batch_size", "seq_len", "micro_batch_size", "log_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from muse.checkpoint import ASSETS_DIR, load_weights, save_checkpoint
-from muse.config import MuseSparkConfig
+from muse.config import MuseSparkConfig, with_overrides
 from muse.info import text_parameters
 from muse.multimodal.engine_inputs import has_encoders
 from muse.multimodal.processor import MuseSparkProcessor, preset_processor_config
@@ -202,8 +202,7 @@ class Run:
         self.device = resolve_device(args.device)
         self.config = get_preset(args.preset)
         if args.sliding_window is not None:
-            self.config.text_config.sliding_window = args.sliding_window
-            self.config.text_config.validate()
+            self.config = with_overrides(self.config, {"sliding_window": args.sliding_window})
         self._choose_batch()
         self.tokenizer = MuseTokenizer.base()
         self.processor = processor_for(self.config, args.preset, self.tokenizer)
