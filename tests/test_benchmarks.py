@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_idle, latency, profile_step, quantized_speed, spec_decode, throughput
+from benchmarks import decode_breakdown, gpu_idle, latency, profile_step, quantized_speed, spec_decode, throughput
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -179,6 +179,44 @@ def test_profile_step_writes_its_trace_on_cpu(tmp_path):
     assert any(e.get("cat") == "cpu_op" for e in events)
     with pytest.raises(ValueError, match="no GPU events"):
         gpu_idle.analyse(events)
+
+
+@pytest.mark.parametrize("shape", ["muse-spark-15b-a2b", "qwen3-30b-a3b-shape",
+                                   "qwen3-0.6b-shape"])
+def test_decode_breakdown_bytes_add_up_to_the_step_roofline(shape):
+    """The parts' bytes and what no part streams (the layer norms, one embedding row) are
+    the decode step's roofline bytes: no weight counted twice or left out."""
+    text = get_preset(shape).text_config
+    roof = Roofline(text, Machine(H200_MEMORY_BANDWIDTH, H200_BF16_MATMUL_FLOPS), 2)
+    step_bytes, _ = roof.decode_step([1023])
+    parts = decode_breakdown.part_bytes(text, 1024)
+    norms = text.num_hidden_layers * (2 * text.hidden_size
+                                      + (2 * text.head_dim if text.qk_norm else 0))
+    assert sum(parts.values()) + 2 * (norms + 2 * text.hidden_size) == step_bytes
+
+
+def test_decode_breakdown_of_a_profile(tmp_path):
+    kernels = [("_dense_gemv_kernel", 4, 40.0), ("_gemm1_swiglu_kernel", 2, 30.0),
+               ("_gemm2_kernel", 2, 20.0), ("nvjet_sm90_tst_512x8", 1, 50.0),
+               ("_split_kv_combine_kernel", 2, 4.0), ("_moe_combine_kernel", 2, 5.0),
+               ("_rms_norm_kernel", 5, 10.0), ("Memcpy DtoD (Device -> Device)", 1, 1.0)]
+    run = {"shape": "muse-spark-tiny", "phase": "decode", "batch": 1, "context": 64,
+           "eager": False, "step_ms": 0.2, "kernel_ms": 0.16,
+           "kernels": [{"name": n, "calls_per_step": c, "us_per_step": us}
+                       for n, c, us in kernels]}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"runs": [run, {**run, "eager": True}]}))
+    out = tmp_path / "breakdown.json"
+    decode_breakdown.main([str(profile), "--out", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    rows = {r["part"]: r for r in result["parts"]}
+    assert rows["routed experts"]["launches"] == 4 and rows["routed experts"]["us"] == 50.0
+    assert rows["LM head (cuBLAS)"]["us"] == 50.0
+    assert rows["MoE combine"]["us"] == 5.0 and rows["split-KV combine"]["us"] == 4.0
+    assert rows["other (torch ops, copies)"]["launches"] == 1
+    assert rows["add + RMSNorm"]["roofline_us"] == 0 and rows["add + RMSNorm"]["lost_us"] == 10
+    assert rows["decode attention"]["launches"] == 0 and rows["decode attention"]["bytes"] > 0
+    assert result["totals"]["idle_us"] == pytest.approx(40.0)
 
 
 def _event(cat, name, ts, dur, tid=1, correlation=None):

@@ -384,7 +384,7 @@ def _gemm2_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _moe_combine_kernel(
     y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
     latent, eps, stride_ym, stride_ne, stride_ot,
     TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
@@ -566,7 +566,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if has_norm:
         norm = norm_weight if norm_weight.stride(1) == 1 else norm_weight.contiguous()
     block_l = triton.next_power_of_2(latent)
-    _combine_kernel[(num_tokens,)](
+    _moe_combine_kernel[(num_tokens,)](
         y, weights, expert_ids, norm, out,
         latent, eps, y.stride(0), norm.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,

@@ -158,7 +158,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _split_kv_combine_kernel(
         out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, query_start_ptr, num_heads,
         stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -425,7 +425,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # the next pages load while this one is reduced.
         num_warps=4, num_stages=2, **pdl_options(q.device))
     if splits > 1:
-        _combine_kernel[(num_requests, num_heads)](
+        _split_kv_combine_kernel[(num_requests, num_heads)](
             out, ws_acc, ws_m, ws_l, meta.query_start, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), num_warps=1, **pdl_options(q.device))

@@ -190,7 +190,7 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool | 
                 launches.append((self.name, kwargs.get("ONE_PAIR_PER_BLOCK")))
             return launch
 
-    for name in ("_gemm1_swiglu_kernel", "_gemm2_kernel", "_combine_kernel"):
+    for name in ("_gemm1_swiglu_kernel", "_gemm2_kernel", "_moe_combine_kernel"):
         monkeypatch.setattr(moe_triton, name, Recorder(name))
     monkeypatch.setattr(moe_align_triton, "_align_kernel", Recorder("_align_kernel"))
     return launches
@@ -219,7 +219,7 @@ def test_threshold_and_decode_launches(monkeypatch: pytest.MonkeyPatch, num_toke
     norm = torch.ones(num_experts, latent, device=DEVICE, dtype=torch.bfloat16)
     with _OpLog() as log:
         moe_triton.fused_experts(x, weights, ids, gate_up, down, norm, 1e-6)
-    kernels = ["_gemm1_swiglu_kernel", "_gemm2_kernel", "_combine_kernel"]
+    kernels = ["_gemm1_swiglu_kernel", "_gemm2_kernel", "_moe_combine_kernel"]
     one_launch_align = not one_pair and align_in_one_launch
     assert [name for name, _ in launches] == \
         (["_align_kernel", *kernels] if one_launch_align else kernels)

@@ -227,7 +227,7 @@ def test_fp8_decode_is_three_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     with _OpLog() as log:
         moe_triton.fused_experts(x, weights, ids, gate_up, down, norm, 1e-6)
     assert [name for name, _ in launches] == [
-        "_gemm1_swiglu_kernel", "_gemm2_kernel", "_combine_kernel"]
+        "_gemm1_swiglu_kernel", "_gemm2_kernel", "_moe_combine_kernel"]
     assert [flag for _, flag in launches[:2]] == [True, True]
     assert set(log.ops) == {"aten.empty.memory_format"} and len(log.ops) == 3
 
