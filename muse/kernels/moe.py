@@ -12,7 +12,7 @@ so a decode step that contains it can be captured in a CUDA graph; the plain PyT
 
 Data flow of the Triton path (the T*k (token, slot) pairs are "pairs"; pair p = t*k + j):
 
-1. align (`align_pairs`, torch ops of static shapes, or `align_pairs_triton`, one launch):
+1. align (`align_pairs`, torch ops of static shapes):
    sort the pairs by expert and pad each expert's run to a multiple of BLOCK_M, so
    every BLOCK_M-row block belongs to one expert.
    Out come `sorted_pairs` (padding rows hold the sentinel T*k) and `block_expert` (-1 for

@@ -1,8 +1,7 @@
 """Grouping a MoE layer's (token, slot) pairs by expert into fixed-size blocks.
 
-The torch twin of `moe_align_triton.align_pairs_triton`, which the Triton experts path
-(`moe_triton.py`) runs: torch ops of static shapes only, so it too could run inside a captured
-CUDA graph.
+The Triton experts path (`moe_triton.py`) runs it before its GEMMs: torch ops of static
+shapes only, so it can run inside a captured CUDA graph.
 """
 
 from __future__ import annotations

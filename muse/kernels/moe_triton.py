@@ -7,7 +7,7 @@ replayed with any routing.
 
 Two ways to map pairs onto the GEMMs' M blocks, chosen from the shapes alone:
 
-* aligned (many pairs): `align_pairs` (or `align_pairs_triton`, one launch) sorts the pairs
+* aligned (many pairs): `align_pairs` sorts the pairs
   by expert into BLOCK_M-row blocks, so each expert's weights are streamed once per block of
   its pairs;
 * one pair per block (decode: T*k <= min(64, E), or up to 64 pairs over experts that fit in
@@ -37,7 +37,6 @@ import triton.language as tl
 
 from muse.kernels.moe import ExpertWeight
 from muse.kernels.moe_align import PairReduce, align_pairs
-from muse.kernels.moe_align_triton import align_pairs_triton
 from muse.kernels.pdl import pdl_options, start_dependent_kernel
 from muse.kernels.w4a16 import Fp4Weight
 from muse.kernels.w4a16_triton import even_odd_columns, fp4_gemv_step, fp4_weight_tiles
@@ -59,10 +58,9 @@ DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 # the dense tiles: their 256-column GEMM 2 compiles without spills.
 FP4_MAX_GEMM2_BLOCK_N = 128
 
-# The alignment in one launch (`align_pairs_triton`, `MUSE_ALIGN_TRITON=1`) instead of its
-# torch twin: equal outputs, tested under the interpreter and compiled for sm_90, but not yet
-# timed on a GPU (docs/performance.md, "Prefill: where the GPU waits for the host"), so off.
-ALIGN_IN_ONE_LAUNCH = os.environ.get("MUSE_ALIGN_TRITON", "0") == "1"
+# The combine one slot after another, as before the tile (`MUSE_MOE_COMBINE_SERIAL=1`): kept
+# until the two are timed on a GPU.
+COMBINE_SERIAL = os.environ.get("MUSE_MOE_COMBINE_SERIAL", "0") == "1"
 
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
 ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64
@@ -387,9 +385,41 @@ def _gemm2_kernel(
 def _moe_combine_kernel(
     y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
     latent, eps, stride_ym, stride_ne, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[t] = sum_j weights[t, j] * rmsnorm(y[t*k + j]) * norm_weight[ids[t, j]].
+
+    A token's k rows are one [BLOCK_K, BLOCK_L] tile: every load is issued at once and each
+    reduction runs once over the tile, not once a slot (at batch 1 the whole combine is one
+    program, so its chain of dependent steps is the layer's critical path)."""
+    start_dependent_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_L)
+    slot_ok = slots < TOP_K
+    col_ok = cols < latent
+    tile_ok = slot_ok[:, None] & col_ok[None, :]
+    pairs = token * TOP_K + slots
+    rows = tl.load(y_ptr + pairs[:, None] * stride_ym + cols[None, :], mask=tile_ok, other=0.0)
+    weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
+    if HAS_NORM:
+        experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0)
+        norm = tl.load(norm_ptr + experts[:, None] * stride_ne + cols[None, :], mask=tile_ok,
+                       other=0.0)
+        mean_square = tl.sum(rows * rows, axis=1) / latent
+        rows = rows * tl.rsqrt(mean_square + eps)[:, None] * norm.to(tl.float32)
+    out = tl.sum(weights[:, None] * rows, axis=0)
+    tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_combine_serial_kernel(
+    y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
+    latent, eps, stride_ym, stride_ne, stride_ot,
     TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[t] = sum_j weights[t, j] * rmsnorm(y[t*k + j]) * norm_weight[ids[t, j]]."""
+    """`_moe_combine_kernel` one slot after another (`MUSE_MOE_COMBINE_SERIAL=1`; until timed)."""
     start_dependent_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_L)
@@ -507,8 +537,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         num_blocks = num_rows = num_pairs
     else:
         tiles = tiles or choose_tiles(num_pairs, num_experts)
-        align = align_pairs_triton if ALIGN_IN_ONE_LAUNCH else align_pairs
-        sorted_pairs, block_expert = align(expert_ids, num_experts, tiles.block_m)
+        sorted_pairs, block_expert = align_pairs(expert_ids, num_experts, tiles.block_m)
         num_blocks, num_rows = block_expert.numel(), sorted_pairs.numel()
     # Float32 models are the precise reference configuration: keep TF32 out of their dots.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -566,10 +595,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if has_norm:
         norm = norm_weight if norm_weight.stride(1) == 1 else norm_weight.contiguous()
     block_l = triton.next_power_of_2(latent)
+    if COMBINE_SERIAL:
+        _moe_combine_serial_kernel[(num_tokens,)](
+            y, weights, expert_ids, norm, out,
+            latent, eps, y.stride(0), norm.stride(0), out.stride(0),
+            TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
+            num_warps=4 if block_l <= 2048 else 8, **pdl,
+        )
+        return out
+    block_k = triton.next_power_of_2(top_k)
+    # A warp per 1,024 elements of the tile (top-8 of 1024: 8 warps, 32 floats a thread), 4-16.
     _moe_combine_kernel[(num_tokens,)](
         y, weights, expert_ids, norm, out,
         latent, eps, y.stride(0), norm.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
-        num_warps=4 if block_l <= 2048 else 8, **pdl,
+        TOP_K=top_k, BLOCK_K=block_k, BLOCK_L=block_l, HAS_NORM=has_norm,
+        num_warps=min(16, max(4, block_k * block_l // 1024)), **pdl,
     )
     return out

@@ -18,10 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton")
 
 from muse.config import TextConfig
-from muse.kernels import moe_align_triton, moe_triton
+from muse.kernels import moe_triton
 from muse.kernels.moe import fused_experts_torch, fused_experts_triton
 from muse.kernels.moe_align import align_pairs, max_padded_pairs
-from muse.kernels.moe_align_triton import CHUNK, align_pairs_triton
 from muse.kernels.moe_triton import (
     ONE_PAIR_PER_BLOCK_MAX_PAIRS,
     choose_tiles,
@@ -34,13 +33,6 @@ from tests.kernels.graph_capture import capture
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 HIDDEN = 24
 
-
-
-@pytest.fixture(params=[False, True], ids=["torch_align", "one_launch_align"])
-def align_in_one_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both alignments of the aligned path (`MUSE_ALIGN_TRITON`)."""
-    monkeypatch.setattr(moe_triton, "ALIGN_IN_ONE_LAUNCH", request.param)
-    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +105,7 @@ def check_layer(moe: LatentMoE, x: torch.Tensor, dtype: torch.dtype) -> torch.Te
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [
     (1, 8, 1), (1, 8, 4), (3, 4, 2), (3, 8, 4), (37, 4, 1), (37, 8, 2), (37, 8, 4)])
 def test_matches_reference_layer(num_tokens: int, num_experts: int, top_k: int, norm: bool,
-                                 dtype: torch.dtype, align_in_one_launch: bool) -> None:
+                                 dtype: torch.dtype) -> None:
     # One pair per block at 1 and 4 pairs over 8 experts, the aligned path everywhere else.
     one_pair = (num_tokens, num_experts, top_k) in ((1, 8, 1), (1, 8, 4))
     assert use_one_pair_per_block(num_tokens * top_k, num_experts) == one_pair
@@ -124,14 +116,22 @@ def test_matches_reference_layer(num_tokens: int, num_experts: int, top_k: int, 
         assert ids.unique().numel() < num_experts  # some experts got no token
 
 
+@pytest.mark.parametrize(("num_tokens", "top_k", "latent"), [(1, 8, 32), (5, 3, 40), (37, 4, 32)])
+def test_serial_combine_matches(monkeypatch: pytest.MonkeyPatch, num_tokens: int, top_k: int,
+                                latent: int) -> None:
+    """The combine one slot after another (`MUSE_MOE_COMBINE_SERIAL=1`) as the tiled one."""
+    monkeypatch.setattr(moe_triton, "COMBINE_SERIAL", True)
+    moe = make_moe(8, top_k, latent=latent, inter=48, norm=True, dtype=torch.float32, seed=5)
+    check_layer(moe, make_tokens(moe, num_tokens, chosen=None), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("top_k", "chosen"), [
     (1, [5]),           # every token on one expert
     (2, [1, 6]),        # every token on the same two experts
     (2, [0, 3, 7]),     # three experts share all pairs, five get none
 ])
-def test_concentrated_routing(top_k: int, chosen: list[int], dtype: torch.dtype,
-                              align_in_one_launch: bool) -> None:
+def test_concentrated_routing(top_k: int, chosen: list[int], dtype: torch.dtype) -> None:
     moe = make_moe(8, top_k, latent=32, inter=32, norm=True, dtype=dtype, seed=2)
     x = make_tokens(moe, 37, chosen=chosen)
     ids = check_layer(moe, x, dtype)
@@ -192,7 +192,6 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool | 
 
     for name in ("_gemm1_swiglu_kernel", "_gemm2_kernel", "_moe_combine_kernel"):
         monkeypatch.setattr(moe_triton, name, Recorder(name))
-    monkeypatch.setattr(moe_align_triton, "_align_kernel", Recorder("_align_kernel"))
     return launches
 
 
@@ -204,10 +203,9 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool | 
     (3, 8, 4, False),      # more pairs than experts
 ])
 def test_threshold_and_decode_launches(monkeypatch: pytest.MonkeyPatch, num_tokens: int,
-                                       num_experts: int, top_k: int, one_pair: bool,
-                                       align_in_one_launch: bool) -> None:
+                                       num_experts: int, top_k: int, one_pair: bool) -> None:
     """One pair per block: three launches and output allocations, no other torch op at all;
-    aligned: the alignment's launch first, and no torch op but allocations and views."""
+    aligned: the alignment's torch ops before the same three launches."""
     assert ONE_PAIR_PER_BLOCK_MAX_PAIRS == 64
     assert use_one_pair_per_block(num_tokens * top_k, num_experts) == one_pair
     launches = _record_launches(monkeypatch)
@@ -220,15 +218,11 @@ def test_threshold_and_decode_launches(monkeypatch: pytest.MonkeyPatch, num_toke
     with _OpLog() as log:
         moe_triton.fused_experts(x, weights, ids, gate_up, down, norm, 1e-6)
     kernels = ["_gemm1_swiglu_kernel", "_gemm2_kernel", "_moe_combine_kernel"]
-    one_launch_align = not one_pair and align_in_one_launch
-    assert [name for name, _ in launches] == \
-        (["_align_kernel", *kernels] if one_launch_align else kernels)
-    assert [flag for _, flag in launches[-3:-1]] == [one_pair, one_pair]
+    assert [name for name, _ in launches] == kernels
+    assert [flag for _, flag in launches[:2]] == [one_pair, one_pair]
     allocations = {"aten.empty.memory_format"}
     if one_pair:
         assert set(log.ops) == allocations and len(log.ops) == 3  # out, h, y
-    elif one_launch_align:
-        assert set(log.ops) <= allocations | {"aten.view.default"}
     else:
         assert len(set(log.ops) - allocations) > 5  # align_pairs' ops
 
@@ -332,40 +326,17 @@ def test_small_experts_skip_the_alignment_past_one_pair_per_expert(
     assert [flag for _, flag in launches[:2]] == [True, True]  # (numerics: forced-mode tests)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m", "chosen"), [
-    (1, 8, 4, 16, None), (3, 4, 2, 16, None), (37, 8, 2, 16, None), (37, 8, 4, 64, None),
-    (5, 64, 2, 16, None), (700, 6, 2, 128, None),  # more pairs than a chunk; E not a power of 2
-    (300, 16, 1, 16, [3]), (100, 8, 3, 64, [0, 5, 7])])  # empty experts, one full expert
-def test_align_in_one_launch_equals_the_twin(num_tokens: int, num_experts: int, top_k: int,
-                                             block_m: int, chosen: list[int] | None) -> None:
-    gen = torch.Generator().manual_seed(num_tokens + num_experts)
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
-    if chosen is not None:
-        logits[:, chosen] += 100.0
-    ids = logits.topk(top_k, dim=-1).indices.to(DEVICE)
-    if (num_tokens, top_k) == (700, 2):
-        assert ids.numel() > CHUNK
-    expected = align_pairs(ids, num_experts, block_m)
-    actual = align_pairs_triton(ids, num_experts, block_m)
-    for got, want in zip(actual, expected):
-        assert got.dtype == want.dtype == torch.int64
-        assert torch.equal(got, want)
-    # A different routing gives a different grouping (the comparison can fail).
-    shifted = align_pairs_triton((ids + 1) % num_experts, num_experts, block_m)
-    assert not torch.equal(shifted[1], expected[1]) or not torch.equal(shifted[0], expected[0])
-
-
-def test_align_kernel_compiles_for_hopper() -> None:
-    """The interpreter accepts loop-carried values whose shape changes; Hopper's compile does
-    not (what the tests above cannot see)."""
+def test_combine_compiles_for_hopper() -> None:
+    """The tiled combine at the 15B shape's top-8 of 1024 and the full model's of 4096."""
     from tests.kernels.hopper_compile import assert_script_compiles
     assert_script_compiles(r"""
 from tests.kernels.hopper_compile import compile_for_hopper
-from muse.kernels import moe_align_triton as a
-pointers = {"ids_ptr": "*i64", "sorted_ptr": "*i64", "block_expert_ptr": "*i64"}
-for block_m, experts in ((16, 128), (128, 256), (64, 8)):
-    for pdl in (False, True):
-        compile_for_hopper(a._align_kernel, pointers,
-                           dict(BLOCK_M=block_m, BLOCK_E=experts, CHUNK=a.CHUNK, PDL=pdl), set())
+from muse.kernels import moe_triton as m
+pointers = dict(y_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", norm_ptr="*bf16",
+                out_ptr="*bf16", eps="fp32")
+for block_l, warps in ((1024, 8), (4096, 16)):
+    compile_for_hopper(m._moe_combine_kernel, pointers,
+                       dict(TOP_K=8, BLOCK_K=8, BLOCK_L=block_l, HAS_NORM=True, PDL=True),
+                       set(), num_warps=warps)
 print("compiled")
 """)
