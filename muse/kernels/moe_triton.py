@@ -28,7 +28,6 @@ bytes, and turns each loaded tile into the activation dtype with its rows' scale
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +56,6 @@ DECODE_TILES = Tiles(16, (32, 128, 4, 4), (32, 128, 4, 4))
 # dequantized from FP4 (compiled for sm_90); FP4 down weights take at most 128. FP8 ones keep
 # the dense tiles: their 256-column GEMM 2 compiles without spills.
 FP4_MAX_GEMM2_BLOCK_N = 128
-
-# The combine one slot after another, as before the tile (`MUSE_MOE_COMBINE_SERIAL=1`): kept
-# until the two are timed on a GPU.
-COMBINE_SERIAL = os.environ.get("MUSE_MOE_COMBINE_SERIAL", "0") == "1"
 
 # Most (token, slot) pairs that skip the alignment (see use_one_pair_per_block).
 ONE_PAIR_PER_BLOCK_MAX_PAIRS = 64
@@ -413,30 +408,6 @@ def _moe_combine_kernel(
     tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _moe_combine_serial_kernel(
-    y_ptr, weights_ptr, ids_ptr, norm_ptr, out_ptr,
-    latent, eps, stride_ym, stride_ne, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_L: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-):
-    """`_moe_combine_kernel` one slot after another (`MUSE_MOE_COMBINE_SERIAL=1`; until timed)."""
-    start_dependent_kernel(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_L)
-    col_ok = cols < latent
-    acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        row = tl.load(y_ptr + pair * stride_ym + cols, mask=col_ok, other=0.0)
-        if HAS_NORM:
-            expert = tl.load(ids_ptr + pair)
-            mean_square = tl.sum(row * row, axis=0) / latent
-            norm = tl.load(norm_ptr + expert * stride_ne + cols, mask=col_ok, other=0.0)
-            row = row * tl.rsqrt(mean_square + eps) * norm.to(tl.float32)
-        acc += tl.load(weights_ptr + pair) * row
-    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
 _DENSE_FORMAT = dict(FP4=False, FP8=False, SCALE_BLOCK=1, SCALE_E8M0=False,
                      HAS_ROW_FACTOR=False, FP8_BLOCK_N=0, FP8_BLOCK_K=0)
 
@@ -595,14 +566,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     if has_norm:
         norm = norm_weight if norm_weight.stride(1) == 1 else norm_weight.contiguous()
     block_l = triton.next_power_of_2(latent)
-    if COMBINE_SERIAL:
-        _moe_combine_serial_kernel[(num_tokens,)](
-            y, weights, expert_ids, norm, out,
-            latent, eps, y.stride(0), norm.stride(0), out.stride(0),
-            TOP_K=top_k, BLOCK_L=block_l, HAS_NORM=has_norm,
-            num_warps=4 if block_l <= 2048 else 8, **pdl,
-        )
-        return out
     block_k = triton.next_power_of_2(top_k)
     # A warp per 1,024 elements of the tile (top-8 of 1024: 8 warps, 32 floats a thread), 4-16.
     _moe_combine_kernel[(num_tokens,)](

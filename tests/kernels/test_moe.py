@@ -116,15 +116,6 @@ def test_matches_reference_layer(num_tokens: int, num_experts: int, top_k: int, 
         assert ids.unique().numel() < num_experts  # some experts got no token
 
 
-@pytest.mark.parametrize(("num_tokens", "top_k", "latent"), [(1, 8, 32), (5, 3, 40), (37, 4, 32)])
-def test_serial_combine_matches(monkeypatch: pytest.MonkeyPatch, num_tokens: int, top_k: int,
-                                latent: int) -> None:
-    """The combine one slot after another (`MUSE_MOE_COMBINE_SERIAL=1`) as the tiled one."""
-    monkeypatch.setattr(moe_triton, "COMBINE_SERIAL", True)
-    moe = make_moe(8, top_k, latent=latent, inter=48, norm=True, dtype=torch.float32, seed=5)
-    check_layer(moe, make_tokens(moe, num_tokens, chosen=None), torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("top_k", "chosen"), [
     (1, [5]),           # every token on one expert

@@ -18,6 +18,7 @@ from muse.kernels.paged_attention_triton import (
     _decode,
     _decode_splits,
     _prefill,
+    _split_combine_warps,
     paged_attention_triton,
 )
 
@@ -132,6 +133,28 @@ def test_decode_split_counts(device, num_splits, window):
     # Splits of 26 keys straddle the 32-key tiles; short and sliding rows leave splits empty.
     check(DECODE, device=device, window=window, kv_heads=1, run=_decode, num_splits=num_splits,
           block_n=32)
+
+
+def test_decode_many_splits_of_wide_heads(device):
+    """64 splits of 128-wide heads: the combine reads them with four warps a head."""
+    assert _split_combine_warps(64, 128) == 4
+    assert _split_combine_warps(8, 32) == 1
+    check(DECODE, device=device, kv_heads=1, head_dim=128, run=_decode, num_splits=64,
+          block_n=16)
+
+
+def test_split_combine_compiles_for_hopper() -> None:
+    from tests.kernels.hopper_compile import assert_script_compiles
+    assert_script_compiles(r"""
+from tests.kernels.hopper_compile import compile_for_hopper
+from muse.kernels import paged_attention_triton as p
+compile_for_hopper(p._split_kv_combine_kernel,
+                   dict(out_ptr="*bf16", ws_acc_ptr="*fp32", ws_m_ptr="*fp32", ws_l_ptr="*fp32",
+                        query_start_ptr="*i64"),
+                   dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=64, BLOCK_S=64, PDL=True),
+                   set(), num_warps=4)
+print("compiled")
+""")
 
 
 @pytest.mark.parametrize(("window", "group"), [(None, 1), (16, 8), (40, 2)])
