@@ -384,16 +384,6 @@ def _decode_splits(num_requests: int, num_kv_heads: int, table_width: int, block
     return max(1, min(by_length, by_occupancy, _DECODE_MAX_SPLITS))
 
 
-def _split_combine_warps(splits: int, block_d: int) -> int:
-    """A warp per 1,024 partial sums a head reads (64 splits of 128: 8K floats), 1 to 4: one
-    warp alone issues its loads one after another, a long chain at batch 1."""
-    return max(1, min(4, triton.next_power_of_2(splits) * block_d // 1024))
-
-
-# `MUSE_SPLIT_COMBINE_WARPS=1` keeps the combine at one warp a head, as before (until timed).
-SPLIT_COMBINE_WARPS = int(os.environ.get("MUSE_SPLIT_COMBINE_WARPS", "0"))
-
-
 def _common(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
@@ -438,9 +428,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _split_kv_combine_kernel[(num_requests, num_heads)](
             out, ws_acc, ws_m, ws_l, meta.query_start, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=SPLIT_COMBINE_WARPS or _split_combine_warps(splits, block_d),
-            **pdl_options(q.device))
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=1, **pdl_options(q.device))
     return out
 
 

@@ -18,7 +18,6 @@ from muse.kernels.paged_attention_triton import (
     _decode,
     _decode_splits,
     _prefill,
-    _split_combine_warps,
     paged_attention_triton,
 )
 
@@ -136,9 +135,7 @@ def test_decode_split_counts(device, num_splits, window):
 
 
 def test_decode_many_splits_of_wide_heads(device):
-    """64 splits of 128-wide heads: the combine reads them with four warps a head."""
-    assert _split_combine_warps(64, 128) == 4
-    assert _split_combine_warps(8, 32) == 1
+    """64 splits of 128-wide heads (the most splits, the widest heads of the shapes timed)."""
     check(DECODE, device=device, kv_heads=1, head_dim=128, run=_decode, num_splits=64,
           block_n=16)
 
@@ -152,7 +149,7 @@ compile_for_hopper(p._split_kv_combine_kernel,
                    dict(out_ptr="*bf16", ws_acc_ptr="*fp32", ws_m_ptr="*fp32", ws_l_ptr="*fp32",
                         query_start_ptr="*i64"),
                    dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=64, BLOCK_S=64, PDL=True),
-                   set(), num_warps=4)
+                   set(), num_warps=1)
 print("compiled")
 """)
 
