@@ -28,6 +28,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from typing import Any  # noqa: E402
 
+import torch  # noqa: E402
+
 from benchmarks.report import environment, table, write_json  # noqa: E402
 from benchmarks.roofline import (H200_MEMORY_BANDWIDTH, ParameterBreakdown,  # noqa: E402
                                  kv_read_bytes, kv_write_bytes)
@@ -35,11 +37,13 @@ from benchmarks.shapes import text_config  # noqa: E402
 from muse.config import TextConfig  # noqa: E402
 
 # Parts of a step by kernel name: (part, the kernel names' prefixes). cuBLAS GEMMs (the LM
-# head at batch 1) have generated names: `nvjet_*`, `sm90_xmma_*`, `cutlass*`, `*gemm*`.
+# head at batch 1) have generated names: `nvjet_*`, `sm90_xmma_*`, `cutlass*`, or any other
+# with `gemm` in it (`part_of`).
+LM_HEAD = "LM head (cuBLAS)"
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("projections (GEMV)", ("_dense_gemv_kernel", "_w4a16_gemv_kernel")),
     ("routed experts", ("_gemm1_swiglu_kernel", "_gemm2_kernel")),
-    ("LM head (cuBLAS)", ("nvjet", "sm90_xmma", "cutlass", "gemm")),
+    (LM_HEAD, ("nvjet", "sm90_xmma", "cutlass")),
     ("decode attention", ("_decode_kernel",)),
     ("split-KV combine", ("_split_kv_combine_kernel",)),
     ("MoE combine", ("_moe_combine_kernel",)),
@@ -53,10 +57,9 @@ OTHER = "other (torch ops, copies)"
 
 def part_of(kernel: str) -> str:
     for part, prefixes in PARTS:
-        if any(kernel.startswith(p) or (p == "gemm" and "gemm" in kernel.lower())
-               for p in prefixes):
+        if kernel.startswith(prefixes):
             return part
-    return OTHER
+    return LM_HEAD if "gemm" in kernel.lower() else OTHER
 
 
 def part_bytes(text: TextConfig, context: int, dtype_bytes: int = 2) -> dict[str, int]:
@@ -69,7 +72,7 @@ def part_bytes(text: TextConfig, context: int, dtype_bytes: int = 2) -> dict[str
         "projections (GEMV)": text.num_hidden_layers * (params.per_layer_dense - norms)
         * dtype_bytes,
         "routed experts": text.num_hidden_layers * params.top_k * params.expert * dtype_bytes,
-        "LM head (cuBLAS)": params.vocab_hidden * dtype_bytes,
+        LM_HEAD: params.vocab_hidden * dtype_bytes,
         "decode attention": kv_read_bytes(text, context, dtype_bytes),
         "K/V store": kv_write_bytes(text, 1, dtype_bytes),
     }
@@ -107,7 +110,6 @@ def breakdown(run: dict[str, Any], text: TextConfig, bandwidth: float
 
 def launch_floor(count: int = 512, repeats: int = 20) -> dict[str, float]:
     """Microseconds per launch of a chain of dependent one-program kernels in a CUDA graph."""
-    import torch
     import triton
     import triton.language as tl
 
@@ -169,13 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"shape": run["shape"], "context": run["context"], "parts": rows,
                         "totals": totals})
     floor = launch_floor() if args.launch_floor else None
-    import torch
-
     if floor:
         print(f"\nlaunch floor: {floor['us_per_launch']:.2f} us per dependent launch "
               f"({floor['launches']} one-program kernels in a CUDA graph)")
     if args.out:
-        write_json(args.out, {"environment": environment(torch.device("cuda" if floor else "cpu")), "profile": args.profile,
+        device = torch.device("cuda" if floor else "cpu")
+        write_json(args.out, {"environment": environment(device), "profile": args.profile,
                               "memory_bandwidth_Bps": args.mem_bandwidth,
                               "launch_floor": floor, "results": results})
 

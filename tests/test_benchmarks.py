@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import decode_breakdown, gpu_idle, latency, profile_step, quantized_speed, spec_decode, throughput
+from benchmarks import (decode_breakdown, gpu_idle, latency, profile_step, quantized_speed,
+                        spec_decode, throughput)
 from benchmarks.roofline import (
     H200_BF16_MATMUL_FLOPS,
     H200_MEMORY_BANDWIDTH,
@@ -212,6 +213,9 @@ def test_decode_breakdown_of_a_profile(tmp_path):
     rows = {r["part"]: r for r in result["parts"]}
     assert rows["routed experts"]["launches"] == 4 and rows["routed experts"]["us"] == 50.0
     assert rows["LM head (cuBLAS)"]["us"] == 50.0
+    assert decode_breakdown.part_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "LM head (cuBLAS)"
+    assert decode_breakdown.part_of("void gemv2T_kernel_val<...>") == "other (torch ops, copies)"
+    assert decode_breakdown.part_of("ampere_bf16_s16816gemm_bf16_64x64") == "LM head (cuBLAS)"
     assert rows["MoE combine"]["us"] == 5.0 and rows["split-KV combine"]["us"] == 4.0
     assert rows["other (torch ops, copies)"]["launches"] == 1
     assert rows["add + RMSNorm"]["roofline_us"] == 0 and rows["add + RMSNorm"]["lost_us"] == 10
