@@ -368,3 +368,18 @@ def test_pieced_words_are_strings_of_tokenizer_pieces() -> None:
         assert re.fullmatch(r"[a-z]{2,}", word)
         assert any(word.startswith(piece) and (word == piece or word[len(piece):] in insides)
                    for piece in (*starts, *insides))
+
+
+def test_training_strings_include_ids_that_look_like_numbers_and_the_call_quotes_them() -> None:
+    rng = random.Random(7)
+    quoted_ids = 0
+    for _ in range(600):
+        case = sample_case(rng, TRAIN, "call")
+        for argument in case.requested.arguments:
+            value = case.arguments.get(argument.name)
+            if argument.type == "string" and isinstance(value, str) and value[:1].isdigit():
+                quoted_ids += 1
+                assert value in case.request
+                call = exchange(case)[1]["tool_calls"][0]["function"]["arguments"]
+                assert json.dumps(call).count(json.dumps(value)) >= 1
+    assert quoted_ids >= 20

@@ -85,6 +85,9 @@ QUALIFIER_MISS_SHARE = 0.2
 OTHER_DETERMINER_SHARE = 0.5
 ACTION_DETERMINERS = ("a", "a", "my", "our", "this", "that", "your", "some", "")
 ARGUMENT_TYPES = ("string", "integer", "number", "boolean", "enum")
+# Of training string values: ids that look like numbers ("5521", "06:30"), which a model that
+# never saw one writes unquoted, as a number, whatever the schema says.
+IDENTIFIER_SHARE = 0.15
 
 VERBS = ("archive", "book", "cancel", "check", "clean", "close", "compress", "copy", "count",
          "create", "delete", "describe", "disable", "enable", "export", "fetch", "find", "flag",
@@ -460,7 +463,28 @@ def random_tool(rng: random.Random, split: str, verb: str | None = None,
     return Tool(name, verb, qualifier, noun, description, arguments, field, determiner)
 
 
-def _value(rng: random.Random, argument: Argument) -> Any:
+def identifier_string(rng: random.Random) -> str:
+    """A string value that looks like a number or a code, as users' ids, phone numbers and
+    times do ("5521", "555-0100", "06:30", "jdoe42", "1Z999AA1"): written bare in the request
+    and quoted in the call, because the schema says string."""
+    style = rng.randrange(5)
+    if style == 0:
+        return str(rng.randint(10, 99999)).zfill(rng.choice((2, 4, 5)))
+    if style == 1:
+        return f"{rng.randint(100, 999)}-{rng.randint(1000, 9999)}"
+    if style == 2:
+        return f"{rng.randint(0, 23):02d}:{rng.choice((0, 15, 30, 45)):02d}"
+    if style == 3:
+        return f"{made_up_word(rng)}{rng.randint(1, 999)}"
+    letters = "ABCDEFGHJKLMNPQRSTUVWXYZ0123456789"
+    return "".join(rng.choice(letters) for _ in range(rng.randint(5, 9)))
+
+
+def _value(rng: random.Random, argument: Argument, split: str) -> Any:
+    """A value of the argument's type. Training strings are sometimes ids that look like
+    numbers (`IDENTIFIER_SHARE`); held-out draws are as they always were."""
+    if argument.type == "string" and split == TRAIN and rng.random() < IDENTIFIER_SHARE:
+        return identifier_string(rng)
     if argument.type == "integer":
         return rng.choice([rng.randint(0, 20), rng.randint(21, 9999)])
     if argument.type == "number":
@@ -495,15 +519,15 @@ def lookup_tool(rng: random.Random) -> tuple[Tool, dict[str, Any], str]:
     tool = Tool(name, "get", None, f"{noun} {prop}",
                 rng.choice([f"The {prop} of a {noun}.", f"Look up a {noun}'s {prop}.",
                             f"Returns the {prop} of the given {noun}."]), (key,), prop)
-    value = _value(rng, key)
+    value = _value(rng, key, TRAIN)
     question = rng.choice(LOOKUP_QUESTIONS).format(property=prop, noun=noun,
                                                    Noun=_capitalized(noun), value=value)
     return tool, {key.name: value}, question
 
 
-def _call_arguments(rng: random.Random, tool: Tool) -> dict[str, Any]:
+def _call_arguments(rng: random.Random, tool: Tool, split: str) -> dict[str, Any]:
     """Every required argument and about half of the optional ones."""
-    return {argument.name: _value(rng, argument) for argument in tool.arguments
+    return {argument.name: _value(rng, argument, split) for argument in tool.arguments
             if argument.required or rng.random() < 0.5}
 
 
@@ -613,7 +637,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         requested, arguments, request = lookup_tool(rng)
     else:
         requested = random_tool(rng, split)
-        arguments = _call_arguments(rng, requested)
+        arguments = _call_arguments(rng, requested, split)
         request = _request(rng, split, requested, arguments)
     others: list[Tool] = []
     count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
