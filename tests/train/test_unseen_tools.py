@@ -370,16 +370,21 @@ def test_pieced_words_are_strings_of_tokenizer_pieces() -> None:
                    for piece in (*starts, *insides))
 
 
-def test_training_strings_include_ids_that_look_like_numbers_and_the_call_quotes_them() -> None:
+def test_training_strings_include_ids_that_look_like_numbers_and_the_call_quotes_them(
+        tokenizer: MuseTokenizer) -> None:
     rng = random.Random(7)
-    quoted_ids = 0
+    ids = 0
     for _ in range(600):
         case = sample_case(rng, TRAIN, "call")
         for argument in case.requested.arguments:
             value = case.arguments.get(argument.name)
-            if argument.type == "string" and isinstance(value, str) and value[:1].isdigit():
-                quoted_ids += 1
+            if argument.type == "string" and value is not None and value[:1].isdigit():
+                ids += 1
                 assert value in case.request
-                call = exchange(case)[1]["tool_calls"][0]["function"]["arguments"]
-                assert json.dumps(call).count(json.dumps(value)) >= 1
-    assert quoted_ids >= 20
+                rendered = tokenizer.apply_chat_template(
+                    exchange(case)[:2], tools=offered_schemas(case), tokenize=False)
+                assert f'"{argument.name}": "{value}"' in rendered
+    assert ids >= 20
+    held_out = [sample_case(random.Random(seed), HELD_OUT, "call") for seed in range(300)]
+    assert not any(isinstance(value, str) and value[:1].isdigit()
+                   for case in held_out for value in case.arguments.values())
