@@ -166,3 +166,33 @@ def test_decode_gemv_benchmark_cases_and_measuring_path(tmp_path, monkeypatch) -
         assert row["speedup"] == 2.0 and row["roofline_us"] > 0 and row["gemv_l2_us"] == 1.5
         assert len(row["sweep_us"]) >= 2 and set(row["sweep_us"].values()) == {1.0}
     assert "speedup" in bench.report(rows)
+
+
+def test_gemv_read_ahead_benchmark_runs_every_kernel_it_times() -> None:
+    """benchmarks/gemv_read_ahead.py at toy sizes with a stand-in timer: the read-ahead kernel
+    reads the whole weight (its sums are the weight's), the chain ticks, the GEMV runs."""
+    import benchmarks.gemv_read_ahead as bench
+
+    timed: list[int] = []
+
+    def fake_time(calls, repeats):
+        for call in calls:
+            call()
+        timed.append(len(calls))
+        return float(len(timed))
+
+    args = bench.parse_args(["--shapes", "muse-spark-tiny", "--flush-bytes", "1", "--chain", "3",
+                             "--read-programs", "2"])
+    case = bench.cases_of("muse-spark-tiny")[0]
+    row = bench.run_case("muse-spark-tiny", case, args, torch.device(DEVICE), time=fake_time)
+    assert (row["cold_us"], row["read_ahead_us"], row["in_l2_us"], row["chain_us"]) == \
+        (1.0, 2.0, 3.0, 4.0)
+    assert "of the gap closed" in bench.report([row])
+
+    weight = torch.randn(3, 5000, device=DEVICE)
+    sink = torch.zeros(2, device=DEVICE)
+    bench.read_ahead(weight, sink, programs=2)
+    torch.testing.assert_close(sink.sum(), weight.sum(), rtol=1e-4, atol=1e-3)
+    counter = torch.zeros(1, device=DEVICE)
+    bench.chain(counter, 5)
+    assert counter.item() == 5.0
