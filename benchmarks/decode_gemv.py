@@ -110,16 +110,24 @@ def report(rows: list[dict]) -> str:
     return table(headers, lines)
 
 
+def _presets(text: str) -> list[str]:
+    names = parse_list(text, str)
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown preset {unknown[0]!r}")
+    return names
+
+
+def add_shapes_argument(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """`--shapes`: comma-separated presets whose projections are timed."""
+    parser.add_argument("--shapes", default=",".join(default), type=_presets)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES),
-                        type=lambda s: parse_list(s, str))
+    add_shapes_argument(parser, SHAPES)
     add_timing_arguments(parser, "GEMV tiles")
-    args = parser.parse_args(argv)
-    for name in args.shapes:
-        if name not in PRESETS:
-            parser.error(f"--shapes: unknown preset {name!r}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -145,9 +153,18 @@ def main(argv: list[str] | None = None) -> dict:
               "results": []}
     print(f"decode_gemv on {record['environment']['gpu']}, commit "
           f"{record['environment']['git_commit']}")
-    for shape, case in plan:
-        record["results"].append(run_case(shape, case, args, device))
-        write_json(args.out, record)  # a run stopped half-way keeps what it measured
+    return time_cases(record, run_case, args, device, report)
+
+
+def time_cases(record: dict, run, args: argparse.Namespace, device: torch.device,
+               report) -> dict:
+    """`run(shape, case, args, device)` for every projection of every `args.shapes` preset,
+    each row added to `record["results"]` and the JSON written after it (a run stopped half-way
+    keeps what it measured), then `report`'s table printed."""
+    for shape in args.shapes:
+        for case in cases_of(shape):
+            record["results"].append(run(shape, case, args, device))
+            write_json(args.out, record)
     print(report(record["results"]))
     return record
 

@@ -27,13 +27,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks.decode_gemv import DTYPE, SHAPES, cases_of  # noqa: E402
-from benchmarks.options import parse_list  # noqa: E402
-from benchmarks.report import environment, table, write_json  # noqa: E402
+from benchmarks.decode_gemv import DTYPE, SHAPES, add_shapes_argument, time_cases  # noqa: E402
+from benchmarks.report import environment, table  # noqa: E402
 from benchmarks.report import fmt as number  # noqa: E402
 from benchmarks.w4a16_gemm import (FLUSH_BYTES, copies_for, random_dense,  # noqa: E402
                                    time_per_call)
-from muse.presets import PRESETS  # noqa: E402
 
 READ_BLOCK = 4096  # elements a program reads a step
 
@@ -131,8 +129,7 @@ def report(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES[:2]),
-                        type=lambda s: parse_list(s, str))
+    add_shapes_argument(parser, SHAPES[:2])
     parser.add_argument("--chain", type=int, default=8,
                         help="small dependent kernels before each GEMV")
     parser.add_argument("--read-programs", type=int, default=0,
@@ -142,11 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="bytes the copies of a weight add up to (beyond L2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    args = parser.parse_args(argv)
-    for name in args.shapes:
-        if name not in PRESETS:
-            parser.error(f"--shapes: unknown preset {name!r}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -157,12 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"benchmark": "gemv_read_ahead",
               "config": {key: value for key, value in vars(args).items() if key != "out"},
               "environment": environment(device), "results": []}
-    for shape in args.shapes:
-        for case in cases_of(shape):
-            record["results"].append(run_case(shape, case, args, device))
-            write_json(args.out, record)  # a run stopped half-way keeps what it measured
-    print(report(record["results"]))
-    return record
+    return time_cases(record, run_case, args, device, report)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ def test_gemv_read_ahead_benchmark_runs_every_kernel_it_times() -> None:
     """benchmarks/gemv_read_ahead.py at toy sizes with a stand-in timer: the read-ahead kernel
     reads the whole weight (its sums are the weight's), the chain ticks, the GEMV runs."""
     import benchmarks.gemv_read_ahead as bench
+    from benchmarks.decode_gemv import cases_of
 
     timed: list[int] = []
 
@@ -183,7 +184,7 @@ def test_gemv_read_ahead_benchmark_runs_every_kernel_it_times() -> None:
 
     args = bench.parse_args(["--shapes", "muse-spark-tiny", "--flush-bytes", "1", "--chain", "3",
                              "--read-programs", "2"])
-    case = bench.cases_of("muse-spark-tiny")[0]
+    case = cases_of("muse-spark-tiny")[0]
     row = bench.run_case("muse-spark-tiny", case, args, torch.device(DEVICE), time=fake_time)
     assert (row["cold_us"], row["read_ahead_us"], row["in_l2_us"], row["chain_us"]) == \
         (1.0, 2.0, 3.0, 4.0)
