@@ -172,8 +172,9 @@ def test_the_reasoning_repeats_the_request_and_lists_the_offered_tools_before_de
                 f"The tools are {', '.join(names[:-1])} and {names[-1]}."
             decision = f'I should call "{case.tool.name}".' if case.tool is not None else \
                 f"It cannot {action}." if len(names) == 1 else f"None of them can {action}."
+            asked = f"for the {case.requested.noun}" if case.lookup else f"to {action}"
             assert reply["reasoning_content"] == \
-                f"The user asks to {action}. {listed} {decision}"
+                f"The user asks {asked}. {listed} {decision}"
 
 
 def test_names_in_the_reasoning_are_the_schemas_and_the_calls_tokens() -> None:

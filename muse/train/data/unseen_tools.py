@@ -673,7 +673,11 @@ def reasoning(case: UnseenToolCase) -> str:
     """
     action = case.requested.action
     names = offered_names([tool.name for tool in case.offered])
-    offered = f"{asks(action)} {names}"
+    # A lookup is restated as what it asks for ("The user asks for the order status."): a
+    # restatement "to get the order status" for the 30% of cases that are lookups taught the
+    # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
+    asked = f"The user asks for the {case.requested.noun}." if case.lookup else asks(action)
+    offered = f"{asked} {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
     return f"{offered} {none_can(len(case.offered), action)}"
