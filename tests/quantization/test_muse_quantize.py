@@ -142,8 +142,9 @@ def test_the_cli_writes_fp4_copies_of_the_shipped_model(tmp_path, form, layout, 
     """The default model quantized to MXFP4 (compressed-tensors) and NVFP4 with calibrated
     activation scales (ModelOpt): given the BF16 model's greedy replies to its chat prompts
     as prompts, the quantized model's greedy choice is the BF16 one at 95% of the reply
-    positions or more (MXFP4 64 of 64 measured, NVFP4 62 of 64 on run 13); its own free-running replies
-    match the BF16 ones token for token at `free_share` of the positions or more."""
+    positions or more (MXFP4 64 of 64 measured, NVFP4 62 of 64 on run 13); its own
+    free-running replies match the BF16 ones token for token at `free_share` of the
+    positions or more."""
     out = tmp_path / f"default-{form}"
     muse_main(["quantize", str(SHIPPED_CHECKPOINT), str(out), "--format", form,
                "--layout", layout])

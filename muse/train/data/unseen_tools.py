@@ -37,9 +37,10 @@ their pieces are written like every other piece. It also gives the first version
 (`get_weather`, ...) made-up argument names, so that what a name is called is always read
 from the offered schema and the request.
 
-The assistant's reasoning repeats the action, lists the offered tools' names in order and then
-names the one it calls, or says that none of them can do the action: the decision compares
-names written right before it instead of recalling a name that fits the request. Messages have
+The assistant's reasoning repeats the action (a lookup, what it asks for: "The user asks for
+the order status."), lists the offered tools' names in order and then names the one it calls,
+or says that none of them can do the action: the decision compares names written right before
+it instead of recalling a name that fits the request. Messages have
 the shape of `tools.exchange`, so the chat template renders them and the tool list goes to
 `tools=` as `offered_schemas(case)`.
 """
