@@ -271,6 +271,13 @@ def asks(action: str) -> str:
     return f"The user asks to {action}."
 
 
+def asks_for(thing: str) -> str:
+    """The reasoning's first sentence for a question about a thing ("the order status"):
+    restated as what it asks for, not as an action, so "get" is not taught as every
+    request's verb."""
+    return f"The user asks for {thing}."
+
+
 def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer: str
                       ) -> dict[str, Any]:
     """The assistant turn for a request whose tool (`case.name`) is not among `offered`."""

@@ -57,7 +57,8 @@ from typing import Any
 
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import asks, function_schema, none_can, offered_names, quoted
+from muse.train.data.tools import (asks, asks_for, function_schema, none_can, offered_names,
+                                   quoted)
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up, pieced or common words rather than from the word lists.
@@ -674,10 +675,9 @@ def reasoning(case: UnseenToolCase) -> str:
     """
     action = case.requested.action
     names = offered_names([tool.name for tool in case.offered])
-    # A lookup is restated as what it asks for ("The user asks for the order status."): a
-    # restatement "to get the order status" for the 30% of cases that are lookups taught the
+    # Lookups are 30% of the cases: restated "to get the order status", they taught the
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
-    asked = f"The user asks for the {case.requested.noun}." if case.lookup else asks(action)
+    asked = asks_for(f"the {case.requested.noun}") if case.lookup else asks(action)
     offered = f"{asked} {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
