@@ -242,8 +242,11 @@ def test_a_step_in_chunks_equals_one_batched_step(data, reference, monkeypatch) 
     norm, weights, record = one_step(10_000)
     chunked_norm, chunked_weights, chunked_record = one_step(1)
     torch.testing.assert_close(chunked_norm, norm)
+    # Adam divides each gradient by its own size, so where one is near zero the summation
+    # order of the chunks moves that weight by up to ~1e-5 of the step's 1e-3; a wrong
+    # weighting of the chunks moves many weights by about the whole step.
     for name, value in weights.items():
-        torch.testing.assert_close(chunked_weights[name], value)
+        torch.testing.assert_close(chunked_weights[name], value, atol=1e-4, rtol=1e-3)
     for name in ("loss", "cross_entropy", "probability_l1", "confidence_bce"):
         assert record[name] == pytest.approx(chunked_record[name], rel=1e-5)
     assert record["blocks_per_s"] > 0 and record["train_acceptance_length"] >= 1.0

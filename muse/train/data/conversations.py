@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from muse.train.data import arithmetic, instructions, tools, unseen_tools, vision_tasks
+from muse.train.data import (arithmetic, instructions, natural_tools, tools, unseen_tools,
+                             vision_tasks)
 from muse.train.data.split import TRAIN, split_items
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assistant. Be brief.",
@@ -32,6 +33,9 @@ FOLLOW_UP_SHARE = 0.2
 # opens with an empty reasoning block, as the generation prompt then writes it, and answers
 # at once. Without them a model writes its reasoning after the empty block anyway.
 DIRECT_ANSWER_SHARE = 0.05
+# Of unseen-tool conversations: users' kind of tools and requests (`natural_tools`), whose
+# values sit where a sentence puts them rather than behind their argument's name.
+NATURAL_TOOL_SHARE = 0.25
 
 
 @dataclass
@@ -123,8 +127,11 @@ def tool_conversation(rng: random.Random, split: str) -> Conversation:
 
 def unseen_tool_conversation(rng: random.Random, split: str) -> Conversation:
     """Tools with made-up names and arguments: a call copying values from the request, a
-    choice among several tools, or no call when none fits."""
-    case = unseen_tools.sample_case(rng, split)
+    choice among several tools, or no call when none fits; a share of them
+    (`NATURAL_TOOL_SHARE`) are tools as users write them, asked as people ask."""
+    sample = natural_tools.sample_case if rng.random() < NATURAL_TOOL_SHARE \
+        else unseen_tools.sample_case
+    case = sample(rng, split)
     return Conversation("unseen_tools", _system(rng) + unseen_tools.exchange(case),
                         unseen_tools.offered_schemas(case))
 

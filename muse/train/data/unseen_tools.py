@@ -338,6 +338,10 @@ class UnseenToolCase:
     result: dict[str, Any] | None
     answer: str
     lookup: bool = False  # a question for a property (`lookup_tool`), not an action
+    # Set for cases written as users write (`natural_tools`): the reasoning's first sentence
+    # and the action a decline names, where they are not the tool's own words.
+    restated: str | None = None
+    declined: str | None = None
 
     @property
     def tool(self) -> Tool | None:
@@ -673,11 +677,12 @@ def reasoning(case: UnseenToolCase) -> str:
     tools' names: the decision that follows compares names written right there, instead of
     recalling a tool that fits the request but is not offered.
     """
-    action = case.requested.action
+    action = case.declined or case.requested.action
     names = offered_names([tool.name for tool in case.offered])
     # Lookups are 30% of the cases: restated "to get the order status", they taught the
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
-    asked = asks_for(f"the {case.requested.noun}") if case.lookup else asks(action)
+    asked = case.restated or (asks_for(f"the {case.requested.noun}") if case.lookup
+                              else asks(action))
     offered = f"{asked} {names}"
     if case.tool is not None:
         return f"{offered} I should call {quoted(case.tool.name)}."
