@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# `unseen_tools`, `user_tools`, `sorting` and the media sections run only when asked for
-# (`--sections unseen_tools`, `--sections vision,video,audio`): not by default. `audio` needs
-# espeak-ng.
+# `unseen_tools`, `user_tools`, `natural_tools`, `sorting` and the media sections run only
+# when asked for (`--sections unseen_tools`, `--sections vision,video,audio`): not by default.
+# `audio` needs espeak-ng.
 SECTIONS = ("arithmetic", "tools", "instructions", "python", "unseen_tools", "user_tools",
-            "sorting", "vision", "video", "audio")
+            "natural_tools", "sorting", "vision", "video", "audio")
 DEFAULT_SECTIONS = ("arithmetic", "tools", "instructions", "python")
 
 
@@ -65,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "packages' too (default: off)")
     parser.add_argument("--strict-tools", action="store_true",
                         help='offer every function as `"strict": true` in the tools, '
-                             "unseen_tools and user_tools sections: each call is checked "
-                             "against the offered names and schemas as it is written (default: "
-                             "off, the model alone)")
+                             "unseen_tools, user_tools and natural_tools sections: each call "
+                             "is checked against the offered names and schemas as it is "
+                             "written (default: off, the model alone)")
     parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
                         help="score the model with this LoRA adapter (a PEFT folder, e.g. "
                              "`muse train grpo`'s) on every reply (default: none)")

@@ -25,6 +25,7 @@ from muse.eval.sorting import SORT_ITEMS, evaluate_sorting
 from muse.eval.tools import evaluate_tools
 from muse.eval.unseen_tools import MEASURES as UNSEEN_TOOLS_MEASURES
 from muse.eval.unseen_tools import evaluate_unseen_tools
+from muse.eval.natural_tools import evaluate_natural_tools
 from muse.eval.user_tools import evaluate_user_tools
 from muse.llm import LLM
 from muse.lora import LoRARequest
@@ -119,6 +120,10 @@ def score(llm: LLM | AdaptedLLM, settings: EvalSettings, progress: bool | None =
     if "user_tools" in settings.sections:
         sections["user_tools"] = evaluate_user_tools(llm, settings.seed, settings.max_tokens,
                                                      progress, settings.strict_tools)
+    if "natural_tools" in settings.sections:
+        sections["natural_tools"] = evaluate_natural_tools(llm, settings.num, settings.seed,
+                                                           settings.max_tokens, progress,
+                                                           settings.strict_tools)
     for section in MEDIA_KEYS:
         if section in settings.sections:
             sections[section] = evaluate_media(llm, section, settings.num, settings.seed,
@@ -216,7 +221,8 @@ def format_table(report: Mapping[str, Any]) -> str:
             _cell(report["sorting"].get(str(items))).rjust(16) for items in SORT_ITEMS))
         lines.append(f"  {'all':31s}" + _cell(report["sorting"]["overall"]).rjust(16))
     for section, title in (("unseen_tools", "unseen tools ({} held-out cases)"),
-                           ("user_tools", "users' tools ({} hand-written cases)")):
+                           ("user_tools", "users' tools ({} hand-written cases)"),
+                           ("natural_tools", "users' kind of tools ({} held-out cases)")):
         if section in report:
             cells = report[section]
             lines.append(title.format(cells["count"]).ljust(33) + "".join(
