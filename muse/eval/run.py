@@ -222,7 +222,7 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append(f"  {'all':31s}" + _cell(report["sorting"]["overall"]).rjust(16))
     for section, title in (("unseen_tools", "unseen tools ({} held-out cases)"),
                            ("user_tools", "users' tools ({} hand-written cases)"),
-                           ("natural_tools", "users' kind of tools ({} held-out cases)")):
+                           ("natural_tools", "natural tools ({} held-out cases)")):
         if section in report:
             cells = report[section]
             lines.append(title.format(cells["count"]).ljust(33) + "".join(

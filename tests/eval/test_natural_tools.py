@@ -33,4 +33,4 @@ def test_muse_eval_runs_the_section(tmp_path: Path, capsys: pytest.CaptureFixtur
           "--device", "cpu", "--no-progress", "--json", str(out)])
     section = json.loads(out.read_text())["natural_tools"]
     assert section["count"] == 6 and set(section["by_kind"]) == set(KINDS)
-    assert "users' kind of tools (6 held-out cases)" in capsys.readouterr().out
+    assert "natural tools (6 held-out cases)" in capsys.readouterr().out
