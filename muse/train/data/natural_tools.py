@@ -23,6 +23,7 @@ stays unseen.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ from muse.train.data.split import TRAIN, split_items
 from muse.train.data.tools import asks, asks_for
 from muse.train.data.unseen_tools import (ANSWER_TEMPLATES, CLOSERS, DECLINE_TEMPLATES,
                                           KIND_WEIGHTS, KINDS, OPENERS, QUESTION_LEAD_INS,
-                                          Argument, Tool, UnseenToolCase, _capitalized,
-                                          _result_value, made_up_word, spoken)
+                                          Argument, Tool, UnseenToolCase, capitalized,
+                                          result_value, made_up_word, spoken)
 
 # Of a scenario's argument names: a made-up word the request never says, so the argument is
 # known by its description and type alone (users' schemas name things their own way).
@@ -81,7 +82,7 @@ SHOWS = ("The Daily", "Radiolab", "Serial", "Planet Money", "Hardcore History")
 SONG_TITLES = ("Yellow", "Hey Jude", "Bohemian Rhapsody", "Clocks", "Dancing Queen")
 
 
-def _integer(low: int, high: int):
+def _integer(low: int, high: int) -> Callable[[random.Random], int]:
     return lambda rng: rng.randint(low, high)
 
 
@@ -131,6 +132,8 @@ def _slot(names: str, kind: str, about: str, values: Any, options: tuple[str, ..
 
 
 CITY = _slot("city destination city_name location_name place", "string", "the city", CITIES)
+EVENT_TITLE = _slot("title name event_title summary", "string", "the event's title",
+                    ("Dentist", "Team lunch", "Yoga", "Budget review", "Mom's birthday"))
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(("book_hotel", "reserve_hotel", "hotel_booking"), "Book a hotel room.",
              (CITY, _slot("nights num_nights stay_nights length", "integer",
@@ -138,15 +141,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              ("Book a hotel in {0} for {1} nights.", "Reserve a hotel room in {0} for {1} nights.",
               "Find me a hotel in {0} for {1} nights.")),
     Scenario(("create_event", "add_calendar_event", "schedule_event"), "Add a calendar event.",
-             (_slot("title name event_title summary", "string", "the event's title",
-                    ("Dentist", "Team lunch", "Yoga", "Budget review", "Mom's birthday")),
+             (EVENT_TITLE,
               _slot("date day event_date when", "string", "the date", DATES)),
              ("Add {0} to my calendar on {1}.", "Put {0} on my calendar for {1}.",
               "Create an event called {0} on {1}.", "Schedule {0} for {1}."), overlap="add-event"),
     Scenario(("delete_event", "remove_calendar_event", "cancel_event"),
              "Remove a calendar event.",
-             (_slot("title name event_title summary", "string", "the event's title",
-                    ("Dentist", "Team lunch", "Yoga", "Budget review", "Mom's birthday")),),
+             (EVENT_TITLE,),
              ("Remove {0} from my calendar.", "Delete the event {0}.",
               "Cancel {0} on my calendar.")),
     Scenario(("set_reminder", "create_reminder", "remind_me"), "Set a reminder.",
@@ -425,7 +426,7 @@ def _tool(rng: random.Random, scenario: Scenario, split: str) -> Tool:
             while name in taken:
                 name += "x"
         taken.add(name)
-        arguments.append(Argument(name, slot.type, f"{_capitalized(slot.about)}.", True,
+        arguments.append(Argument(name, slot.type, f"{capitalized(slot.about)}.", True,
                                   slot.options))
     name = rng.choice(scenario.names)
     verb, _, noun = name.partition("_")
@@ -450,7 +451,7 @@ def _request(rng: random.Random, scenario: Scenario, values: list[str]
         request = sentence
         if rng.random() < LEAD_IN_SHARE:
             lead_in = rng.choice(NATURAL_LEAD_INS + tuple(
-                _capitalized(lead) for lead in QUESTION_LEAD_INS))
+                capitalized(lead) for lead in QUESTION_LEAD_INS))
             question = not lead_in.startswith(("Please", "I ", "Go", "Help"))
             request = f"{lead_in} {action}{'?' if question else '.'}"
     if rng.random() < OPENER_SHARE:
@@ -483,7 +484,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
                               restated=restated, declined=action)
     offered = [requested, *others]
     rng.shuffle(offered)
-    value = _result_value(rng)
+    value = result_value(rng)
     answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(tool=requested.name,
                                                  field=requested.result_field,
                                                  value=spoken(value))

@@ -358,7 +358,7 @@ def spoken(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
-def _capitalized(text: str) -> str:
+def capitalized(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
@@ -438,7 +438,7 @@ def _argument(rng: random.Random, split: str, taken: set[str], noun: str,
     kind = rng.choice(ARGUMENT_TYPES)
     spaced = name.replace("_", " ")
     description = rng.choice([f"The {spaced} of the {noun}.", f"Which {spaced} to use.",
-                              f"{_capitalized(spaced)} for this {noun}."])
+                              f"{capitalized(spaced)} for this {noun}."])
     options = rng.choice(ENUM_SETS) if kind == "enum" else ()
     return Argument(name, kind, description, required, options)
 
@@ -460,7 +460,7 @@ def random_tool(rng: random.Random, split: str, verb: str | None = None,
     arguments = tuple(_argument(rng, split, taken, noun, index == 0 or rng.random() < 0.6)
                       for index in range(rng.randint(1, 3)))
     description = rng.choice(DESCRIPTION_TEMPLATES).format(
-        Verb=_capitalized(verb), verb=verb, noun=noun, field=field)
+        Verb=capitalized(verb), verb=verb, noun=noun, field=field)
     determiner = "the"
     if split == TRAIN and rng.random() < OTHER_DETERMINER_SHARE:  # held-out draws unchanged
         determiner = rng.choice(ACTION_DETERMINERS)
@@ -527,7 +527,7 @@ def lookup_tool(rng: random.Random) -> tuple[Tool, dict[str, Any], str]:
                             f"Returns the {prop} of the given {noun}."]), (key,), prop)
     value = _value(rng, key, TRAIN)
     question = rng.choice(LOOKUP_QUESTIONS).format(property=prop, noun=noun,
-                                                   Noun=_capitalized(noun), value=value)
+                                                   Noun=capitalized(noun), value=value)
     return tool, {key.name: value}, question
 
 
@@ -587,7 +587,7 @@ def composed_request(rng: random.Random, action: str, arguments: str,
         opener = rng.choice(OPENERS + RUN_ON_OPENERS) if rng.random() < OPENER_SHARE else ""
     sentence = f"{lead_in} {action}" if lead_in else action
     if not opener or opener[-1] in ".!?":
-        sentence = _capitalized(sentence)
+        sentence = capitalized(sentence)
     start = f"{opener.format(person=person)} {sentence}" if opener else sentence
     end = rng.choice(QUESTION_ENDINGS if question else ENDINGS)
     tail = rng.choice(ARGUMENT_INTRODUCERS).format(arguments=arguments, end=end)
@@ -595,7 +595,7 @@ def composed_request(rng: random.Random, action: str, arguments: str,
     return f"{start}{tail}{closer}"
 
 
-def _result_value(rng: random.Random) -> Any:
+def result_value(rng: random.Random) -> Any:
     return rng.choice([f"R-{rng.randint(1000, 99999)}", rng.randint(1, 5000),
                        rng.choice(("ok", "done", "queued", "accepted"))])
 
@@ -658,7 +658,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
                               lookup)
     offered = [requested, *others]
     rng.shuffle(offered)
-    value = _result_value(rng)
+    value = result_value(rng)
     answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(
         tool=requested.name, field=requested.result_field, value=spoken(value))
     return UnseenToolCase(kind, request, tuple(offered), requested, arguments,
