@@ -231,7 +231,8 @@ def test_composed_argument_phrases_hold_no_held_out_template_text() -> None:
     for phrase in phrases:
         assert "max level" in phrase and re.search(r"(^|\s)7($|\s)", phrase), phrase
     requests = [case.request for case in _cases(12, 300) if not case.lookup]
-    assert sum(any(link in request for link in (" should be ", " becomes ", " fixed at "))
+    assert sum(any(link in request for link in (" should be ", " becomes ", " fixed at ",
+                                                " matching ", " labelled "))
                for request in requests) > 10
 
 
