@@ -10,18 +10,17 @@ from __future__ import annotations
 import random
 
 from muse.eval.generation import SectionResult
-from muse.eval.unseen_tools import evaluate_tool_cases
+from muse.eval.unseen_tools import cases_in_turn, evaluate_tool_cases
 from muse.llm import LLM
 from muse.train.data import natural_tools
 from muse.train.data.split import HELD_OUT
-from muse.train.data.unseen_tools import KINDS, UnseenToolCase
+from muse.train.data.unseen_tools import UnseenToolCase
 
 
 def held_out_natural_cases(seed: int, num: int) -> list[UnseenToolCase]:
     """`num` cases of the held-out scenarios, the kinds in turn."""
-    rng = random.Random(f"eval-natural-tools/{seed}")
-    return [natural_tools.sample_case(rng, HELD_OUT, KINDS[index % len(KINDS)])
-            for index in range(num)]
+    return cases_in_turn(random.Random(f"eval-natural-tools/{seed}"), HELD_OUT, num,
+                         natural_tools.sample_case)
 
 
 def evaluate_natural_tools(llm: LLM, num: int, seed: int, max_tokens: int,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 from muse.eval.generation import (ChatPrompt, SectionResult, example, generate_replies,
@@ -85,11 +86,13 @@ def score_reply(reply: Reply, case: UnseenToolCase) -> dict[str, bool]:
             "right": valid and tool and arguments}
 
 
-def cases_in_turn(rng: random.Random, split: str, num: int) -> list[UnseenToolCase]:
-    """`num` cases of `split`, the kinds in turn (call, choose, no_tool, call, ...)."""
+def cases_in_turn(rng: random.Random, split: str, num: int,
+                  sample: Callable[[random.Random, str, str], UnseenToolCase]
+                  = unseen_tools.sample_case) -> list[UnseenToolCase]:
+    """`num` cases of `split` drawn by `sample`, the kinds in turn (call, choose, no_tool,
+    call, ...)."""
     kinds = unseen_tools.KINDS
-    return [unseen_tools.sample_case(rng, split, kinds[index % len(kinds)])
-            for index in range(num)]
+    return [sample(rng, split, kinds[index % len(kinds)]) for index in range(num)]
 
 
 def held_out_cases(seed: int, num: int) -> list[UnseenToolCase]:

@@ -29,10 +29,9 @@ from typing import Any
 
 from muse.train.data.split import TRAIN, split_items
 from muse.train.data.tools import asks, asks_for
-from muse.train.data.unseen_tools import (ANSWER_TEMPLATES, CLOSERS, DECLINE_TEMPLATES,
-                                          KIND_WEIGHTS, KINDS, OPENERS, QUESTION_LEAD_INS,
-                                          Argument, Tool, UnseenToolCase, capitalized,
-                                          result_value, made_up_word, spoken)
+from muse.train.data.unseen_tools import (CLOSERS, KIND_WEIGHTS, KINDS, OPENERS,
+                                          QUESTION_LEAD_INS, Argument, Tool, UnseenToolCase,
+                                          capitalized, completed_case, made_up_word, spoken)
 
 # Of a scenario's argument names: a made-up word the request never says, so the argument is
 # known by its description and type alone (users' schemas name things their own way).
@@ -452,8 +451,8 @@ def _request(rng: random.Random, scenario: Scenario, values: list[str]
         if rng.random() < LEAD_IN_SHARE:
             lead_in = rng.choice(NATURAL_LEAD_INS + tuple(
                 capitalized(lead) for lead in QUESTION_LEAD_INS))
-            question = not lead_in.startswith(("Please", "I ", "Go", "Help"))
-            request = f"{lead_in} {action}{'?' if question else '.'}"
+            asking = not lead_in.startswith(("Please", "I ", "Go", "Help"))
+            request = f"{lead_in} {action}{'?' if asking else '.'}"
     if rng.random() < OPENER_SHARE:
         request = f"{rng.choice(OPENERS).format(person=person)} {request}"
     if rng.random() < CLOSER_SHARE:
@@ -478,16 +477,5 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         groups.setdefault(other.group, other)
     groups.pop(scenario.group)
     others = [_tool(rng, other, split) for other in rng.sample(list(groups.values()), count)]
-    if kind == "no_tool":
-        answer = rng.choice(split_items(DECLINE_TEMPLATES, split)).format(action=action)
-        return UnseenToolCase(kind, request, tuple(others), requested, arguments, None, answer,
-                              restated=restated, declined=action)
-    offered = [requested, *others]
-    rng.shuffle(offered)
-    value = result_value(rng)
-    answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(tool=requested.name,
-                                                 field=requested.result_field,
-                                                 value=spoken(value))
-    return UnseenToolCase(kind, request, tuple(offered), requested, arguments,
-                          {requested.result_field: value}, answer, restated=restated,
-                          declined=action)
+    return completed_case(rng, split, kind, request, requested, others, arguments,
+                          restated=restated, declined=action)

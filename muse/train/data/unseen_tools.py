@@ -656,18 +656,29 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         other = _distractor(rng, split, requested)
         if _distinct(other, [requested, *others], split, lookup):
             others.append(other)
+    return completed_case(rng, split, kind, request, requested, others, arguments,
+                          lookup=lookup)
+
+
+def completed_case(rng: random.Random, split: str, kind: str, request: str, requested: Tool,
+                   others: list[Tool], arguments: dict[str, Any], lookup: bool = False,
+                   restated: str | None = None, declined: str | None = None
+                   ) -> UnseenToolCase:
+    """The case once its request and tools are drawn: for `no_tool` the decline (of
+    `declined`, else the requested tool's action) with `others` offered; otherwise the
+    requested tool among `others` in a random order, its result and the answer using it."""
     if kind == "no_tool":
         answer = rng.choice(split_items(DECLINE_TEMPLATES, split)).format(
-            action=requested.action)
+            action=declined or requested.action)
         return UnseenToolCase(kind, request, tuple(others), requested, arguments, None, answer,
-                              lookup)
+                              lookup, restated, declined)
     offered = [requested, *others]
     rng.shuffle(offered)
     value = result_value(rng)
     answer = rng.choice(split_items(ANSWER_TEMPLATES, split)).format(
         tool=requested.name, field=requested.result_field, value=spoken(value))
     return UnseenToolCase(kind, request, tuple(offered), requested, arguments,
-                          {requested.result_field: value}, answer, lookup)
+                          {requested.result_field: value}, answer, lookup, restated, declined)
 
 
 def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
