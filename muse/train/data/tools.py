@@ -283,28 +283,14 @@ def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer:
     """The assistant turn for a request whose tool (`case.name`) is not among `offered`."""
     names = [schema["function"]["name"] for schema in offered]
     action = ACTIONS[case.name]
-    reasoning = f"{asks(action)} {offered_names(names)} {verdict(names, case.name, action)}"
+    reasoning = f"{asks(action)} {offered_names(names)} {none_can(len(names), action)}"
     return {"role": "assistant", "reasoning_content": reasoning, "content": answer}
 
 
-def closest_name(names: Sequence[str], wanted: str) -> str:
-    """Of the offered `names`, the one sharing the most words with the `wanted` tool's name
-    (the first of equals)."""
-    words = set(wanted.split("_"))
-    return max(names, key=lambda name: len(words & set(name.split("_"))))
-
-
-def verdict(names: Sequence[str], wanted: str, action: str, called: str | None = None) -> str:
-    """The reasoning's decision on the offered `names` (the same words for first-version and
-    made-up tools): the closest one (the tool `called`, else the one nearest the `wanted`
-    tool the user would need) and whether it can do `action`. Naming a candidate before
-    judging it puts the decision after one name written right there, where the single
-    "I should call" / "None of them can" choice had to weigh every offered name at once:
-    that choice called near misses ("pause_container" for "count the remote container")."""
-    if called is not None:
-        return (f"The closest is {quoted(called)}, which can {action}. "
-                f"I should call {quoted(called)}.")
-    return f"The closest is {quoted(closest_name(names, wanted))}, which cannot {action}."
+def none_can(offered: int, action: str) -> str:
+    """The reasoning's verdict when none of the `offered` tools does `action` (the same words
+    for first-version and made-up tools)."""
+    return f"It cannot {action}." if offered == 1 else f"None of them can {action}."
 
 
 # Other names users give the arguments of the first version's tools. In training
@@ -367,9 +353,8 @@ def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str,
     `offered` schemas' names, then names the one it calls (the procedure of the unseen tools,
     so that any tool list is read the same way)."""
     names = [schema["function"]["name"] for schema in offered]
-    action = REQUESTED_ACTIONS[case.name]
-    reasoning = (f"{asks(action)} {offered_names(names)} "
-                 f"{verdict(names, case.name, action, called=case.name)}")
+    reasoning = (f"{asks(REQUESTED_ACTIONS[case.name])} {offered_names(names)} "
+                 f"I should call {quoted(case.name)}.")
     return {"role": "assistant", "reasoning_content": reasoning,
             "content": "", "tool_calls": [{"type": "function", "function": {
                 "name": case.name, "arguments": case.arguments}}]}

@@ -57,8 +57,8 @@ from typing import Any
 
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import (asks, asks_for, function_schema, offered_names, quoted,
-                                   verdict)
+from muse.train.data.tools import (asks, asks_for, function_schema, none_can, offered_names,
+                                   quoted)
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up, pieced or common words rather than from the word lists.
@@ -691,8 +691,7 @@ def reasoning(case: UnseenToolCase) -> str:
 
     It first repeats what is asked, words copied from the request, then lists the offered
     tools' names: the decision that follows compares names written right there, instead of
-    recalling a tool that fits the request but is not offered. The decision names the
-    closest tool, then whether it can do what is asked (`tools.verdict`).
+    recalling a tool that fits the request but is not offered.
     """
     action = case.declined or case.requested.action
     names = offered_names([tool.name for tool in case.offered])
@@ -700,9 +699,10 @@ def reasoning(case: UnseenToolCase) -> str:
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
     asked = case.restated or (asks_for(f"the {case.requested.noun}") if case.lookup
                               else asks(action))
-    called = case.tool.name if case.tool is not None else None
-    decision = verdict([tool.name for tool in case.offered], case.requested.name, action, called)
-    return f"{asked} {names} {decision}"
+    offered = f"{asked} {names}"
+    if case.tool is not None:
+        return f"{offered} I should call {quoted(case.tool.name)}."
+    return f"{offered} {none_can(len(case.offered), action)}"
 
 
 def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
