@@ -221,8 +221,8 @@ ARGUMENT_TEMPLATES = (
 )
 # Training argument phrases built from parts (`composed_argument`). No part holds a held-out
 # template's text ("{name} = {value}", "a {name} of {value}"): no "a ", no " = ", no " of ".
-# Many links (48, since the thirty-sixth session's probe: 22 gave more misread arguments)
-# teach that whatever joins a name to its value belongs to neither.
+# Many links (48; 22 gave more misread arguments in a probe, docs/training.md "A probe of
+# more argument links") teach that whatever joins a name to its value belongs to neither.
 COMPOSED_ARGUMENT_SHARE = 0.5
 REVERSED_ARGUMENT_SHARE = 0.3
 ARGUMENT_DETERMINERS = ("", "", "", "the ", "its ", "my ", "our ", "this ", "your ", "that ",
