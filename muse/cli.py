@@ -235,6 +235,13 @@ def cmd_merge_lora(args: argparse.Namespace) -> None:
     print(f"wrote {args.destination} ({len(changed)} tensors with the adapter folded in)")
 
 
+def cmd_average(args: argparse.Namespace) -> None:
+    from muse.checkpoint.average import average_checkpoints
+
+    used = average_checkpoints(args.sources, args.destination, args.weights)
+    print(f"wrote {args.destination} (weights {', '.join(f'{w:g}' for w in used)})")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from muse.bench.serve import run_from_args
 
@@ -460,6 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
                                             "adapter_model.safetensors)")
     merge_lora.add_argument("destination", help="the folder to write")
     merge_lora.set_defaults(func=cmd_merge_lora)
+
+    average = sub.add_parser(
+        "average", help="write the weighted average of checkpoints of one architecture (a "
+                        "model soup; a fine-tuned model and its start: an interpolation)",
+        formatter_class=DefaultsHelpFormatter)
+    average.add_argument("sources", nargs="+", help="two or more checkpoint folders; the "
+                                                    "first one's other files are copied")
+    average.add_argument("--output", dest="destination", required=True,
+                         help="the folder to write")
+    average.add_argument("--weights", type=float, nargs="+", default=None,
+                         help="one weight per source, normalised to sum to one "
+                              "(default: equal)")
+    average.set_defaults(func=cmd_average)
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments
 
