@@ -21,6 +21,8 @@
 # INIT_FROM=checkpoints/muse-spark-default starts from those weights instead (a further stage
 # on a fresh machine: the optimizer state does not travel, the checkpoint does; encoders a
 # text-only checkpoint lacks start fresh); give it another SEED so the stage sees new data.
+# Such a stage is then best averaged with its start (`muse average STAGE START --output
+# DIR`): the shipped model is run 18 averaged half and half with run 14 (docs/training.md).
 # ENCODER_MINUTES (default 0: none) first trains the encoders alone for that long
 # (`muse train encoders`, on labels the generated media carry), from INIT_FROM, and the
 # decoder stage then starts from its output and reuses its speech pool.
