@@ -52,8 +52,9 @@ def test_cli_writes_the_weighted_average_and_its_record(sources, tmp_path) -> No
 def test_a_checkpoint_averaged_with_itself_generates_the_same(sources, tmp_path) -> None:
     out = tmp_path / "same"
     average_checkpoints([sources[0], sources[0]], out)
+    original = load_file(str(sources[0] / "model.safetensors"))
     for name, tensor in load_file(str(out / "model.safetensors")).items():
-        assert torch.equal(tensor, load_file(str(sources[0] / "model.safetensors"))[name])
+        assert torch.equal(tensor, original[name])
     expected = LLM(str(sources[0]), device="cpu").generate(PROMPTS, GREEDY)
     got = LLM(str(out), device="cpu").generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 
 from muse.checkpoint.reader import CheckpointReader
-from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
+from muse.checkpoint.writer import (
+    TensorSpec,
+    check_destination,
+    copy_other_files,
+    write_tensors,
+)
 
 AVERAGE_RECORD = "average.json"
 
@@ -45,8 +50,7 @@ def average_checkpoints(sources: Sequence[str | Path], destination: str | Path,
         raise ValueError("average needs at least two checkpoints")
     sources = [Path(source) for source in sources]
     destination = Path(destination)
-    if any(destination.exists() and destination.resolve() == s.resolve() for s in sources):
-        raise ValueError("write the average to another folder than its sources")
+    check_destination(destination, sources, "the average")
     used = average_weights(weights, len(sources))
     with ExitStack() as stack:
         readers = [stack.enter_context(CheckpointReader(source)) for source in sources]

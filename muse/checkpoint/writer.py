@@ -120,6 +120,13 @@ def copy_tokenizer_files(source: str | Path, directory: str | Path) -> list[Path
     return copies
 
 
+def check_destination(destination: Path, sources: Sequence[Path], written: str) -> None:
+    """Refuse to write a derived checkpoint (`written`: "the merged checkpoint", ...) over a
+    folder it is read from: its tensors are read while the new files are written."""
+    if destination.exists() and any(destination.resolve() == s.resolve() for s in sources):
+        raise ValueError(f"write {written} to another folder than its source")
+
+
 def copy_other_files(source: str | Path, destination: str | Path,
                      skip: Sequence[str] = ()) -> None:
     """Every file and folder of the checkpoint `source` but its weights (and the names in

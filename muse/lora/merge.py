@@ -14,7 +14,12 @@ import torch
 
 from muse.checkpoint.configs import load_config
 from muse.checkpoint.reader import CheckpointReader
-from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
+from muse.checkpoint.writer import (
+    TensorSpec,
+    check_destination,
+    copy_other_files,
+    write_tensors,
+)
 from muse.lora.peft_adapter import AdapterError, read_adapter
 
 
@@ -32,8 +37,7 @@ def merge_adapter(base: str | Path, adapter: str | Path, destination: str | Path
     """Write `base` with `adapter` folded into its weights to `destination` (a new folder);
     returns the names of the tensors changed."""
     base, destination = Path(base), Path(destination)
-    if destination.exists() and destination.resolve() == base.resolve():
-        raise ValueError("write the merged checkpoint to another folder than its base")
+    check_destination(destination, [base], "the merged checkpoint")
     lora = read_adapter(adapter, num_experts=load_config(base).text_config.num_experts)
     with CheckpointReader(base) as reader:
         targets = {_target_name(reader, key): weights for key, weights in lora.weights.items()}

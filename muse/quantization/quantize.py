@@ -43,7 +43,12 @@ from tqdm import tqdm
 
 from muse.checkpoint.layout import CheckpointError
 from muse.checkpoint.reader import CheckpointReader
-from muse.checkpoint.writer import TensorSpec, copy_other_files, write_tensors
+from muse.checkpoint.writer import (
+    TensorSpec,
+    check_destination,
+    copy_other_files,
+    write_tensors,
+)
 from muse.kernels.w4a16 import E2M1_MAGNITUDES
 from muse.model.loader import FUSED_PARTS
 from muse.quantization import ONLINE_FORMATS
@@ -390,8 +395,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, form: str,
     them and none are given."""
     scheme = Scheme(form, layout, calibrated=calibration_prompts is not None)
     source, destination = Path(source), Path(destination)
-    if destination.exists() and source.resolve() == destination.resolve():
-        raise ValueError("write the quantized checkpoint to another folder than its source")
+    check_destination(destination, [source], "the quantized checkpoint")
     _check_source(source)
     with CheckpointReader(source) as reader:
         outputs, ignored = _plan(reader, list(ignore) + list(ALWAYS_IGNORED))
