@@ -17,9 +17,21 @@ mkdir -p "$OUT"
 
 case $PART in
 tests)
+    # The GPU image lacks some of the server's packages: the host-side modules that need
+    # them are left to CI (named in the log), the rest run compiled. The whole log is kept,
+    # so that a failure's message comes back with it.
+    IGNORED=()
+    for pair in xgrammar:test_structured_output xgrammar:test_grammar_compile \
+                jsonschema:test_strict_tool_calls openai:test_nixl_connector \
+                msgspec:test_step_message; do
+        "$PYTHON" -c "import ${pair%%:*}" 2> /dev/null \
+            || IGNORED+=(--ignore "tests/engine/${pair#*:}.py")
+    done
+    echo "left to CI (a package missing here): ${IGNORED[*]:-none}" > "$OUT/tests_h200.log"
     timeout "${TEST_TIMEOUT:-540}" "$PYTHON" -m pytest tests/kernels tests/engine \
-        tests/test_reference.py -q -p no:cacheprovider 2>&1 | tail -40 > "$OUT/tests_h200.log"
-    cat "$OUT/tests_h200.log"
+        tests/test_reference.py -q -p no:cacheprovider "${IGNORED[@]}" \
+        >> "$OUT/tests_h200.log" 2>&1
+    tail -40 "$OUT/tests_h200.log"
     ;;
 latency)
     for shape in $SHAPES; do
