@@ -243,14 +243,17 @@ def test_checkpoint_scales_load_and_are_used(tiny_checkpoint, tmp_path, monkeypa
         assert normal.sum() > 100
         assert torch.equal((scaled_cache.float() * scale)[normal], plain_cache.float()[normal])
     # Store and attention together: the engine is the reference with K/V rounded through FP8
-    # at those scales, which is measurably not the reference at scale 1.0.
+    # at those scales (within the FP8 rounding tolerance: on a GPU the K/V before rounding
+    # come from other kernels), which is the reference at scale 1.0 by far more than that
+    # tolerance (0.54 at most on the CPU).
     reference = reference_from_engine(plain.engine)
     monkeypatch.setattr(reference_layers.AttentionProjections, "qkv",
                         rounded_through_fp8(reference_layers.AttentionProjections.qkv))
     want = reference_prompt_logprobs(reference, LAYER_SCALES)
-    assert_same_logprobs(output.prompt_logprobs, want)
+    assert_same_logprobs(output.prompt_logprobs, want, atol=FP8_LOGPROB_ATOL)
     unscaled = reference_prompt_logprobs(reference)
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(want[1:], unscaled[1:])) > 1e-2
+    assert max(abs(a.logprob - b.logprob)
+               for a, b in zip(want[1:], unscaled[1:])) > 10 * FP8_LOGPROB_ATOL
 
 
 def test_checkpoint_scales_are_ignored_by_a_model_dtype_cache(tiny_checkpoint, tmp_path):
