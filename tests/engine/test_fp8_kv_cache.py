@@ -244,8 +244,8 @@ def test_checkpoint_scales_load_and_are_used(tiny_checkpoint, tmp_path, monkeypa
         assert torch.equal((scaled_cache.float() * scale)[normal], plain_cache.float()[normal])
     # Store and attention together: the engine is the reference with K/V rounded through FP8
     # at those scales (within the FP8 rounding tolerance: on a GPU the K/V before rounding
-    # come from other kernels), which is the reference at scale 1.0 by far more than that
-    # tolerance (0.54 at most on the CPU).
+    # come from other kernels), which differs from the reference at scale 1.0 by far more than
+    # that tolerance (0.54 at most on the CPU).
     reference = reference_from_engine(plain.engine)
     monkeypatch.setattr(reference_layers.AttentionProjections, "qkv",
                         rounded_through_fp8(reference_layers.AttentionProjections.qkv))
