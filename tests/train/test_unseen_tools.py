@@ -208,6 +208,21 @@ def test_training_near_misses_include_another_qualifier_of_the_same_verb_and_nou
         assert len(set(pairs)) == len(pairs)
 
 
+def test_training_distractors_often_take_the_targets_argument_names() -> None:
+    """The action, not the arguments the user names, must pick the tool: about half the
+    training distractors take some of the target's argument names (each name once a tool, its
+    first argument still required), where without them almost none would."""
+    distractors = [(case.requested, tool) for case in _cases(13, 600, TRAIN, "no_tool")
+                   for tool in case.offered]
+    sharing = 0
+    for target, tool in distractors:
+        names = [argument.name for argument in tool.arguments]
+        assert len(set(names)) == len(names), tool
+        assert tool.arguments[0].required, tool
+        sharing += bool(set(names) & {argument.name for argument in target.arguments})
+    assert 0.35 < sharing / len(distractors) < 0.65, sharing / len(distractors)
+
+
 def test_a_lookup_is_never_offered_beside_another_lookup_verb_of_its_noun() -> None:
     """"check_order_status" does what "get_order_status" does: as a distractor of a lookup it
     would make a declined request one that an offered tool fits."""

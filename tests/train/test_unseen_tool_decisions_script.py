@@ -1,0 +1,68 @@
+"""scripts/unseen_tool_decisions.py: the calling-or-declining decision read teacher-forced."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import replace
+
+import pytest
+
+from muse.presets import SHIPPED_CHECKPOINT
+from muse.train.data import unseen_tools
+from muse.train.data.split import HELD_OUT, TRAIN
+from tests.train.helpers import load_script
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("unseen_tool_decisions")
+
+
+@pytest.mark.parametrize("split", [TRAIN, HELD_OUT])
+def test_the_prefix_is_the_reasoning_up_to_its_decision(script, split) -> None:
+    rng = random.Random(4)
+    for kind in unseen_tools.KINDS * 10:
+        case = unseen_tools.sample_case(rng, split, kind)
+        text, prefix = unseen_tools.reasoning(case), script.decision_prefix(case)
+        rest = text[len(prefix):]
+        assert text.startswith(prefix)
+        if kind == "no_tool":
+            assert rest.startswith((" It cannot ", " None of them can ")), rest
+        else:
+            assert rest == f' I should call "{case.tool.name}".'
+
+
+def _with_argument_names(tool: unseen_tools.Tool, names: list[str]) -> unseen_tools.Tool:
+    return replace(tool, arguments=tuple(replace(argument, name=name)
+                                         for argument, name in zip(tool.arguments, names)))
+
+
+def test_an_argument_word_is_shared_only_by_a_tool_that_does_not_fit(script) -> None:
+    case = unseen_tools.sample_case(random.Random(2), HELD_OUT, "choose")
+    asked = next(iter(case.arguments))
+    others = [tool for tool in case.offered if tool is not case.tool]
+    apart = [_with_argument_names(tool, [f"zz{index}q" for index in range(3)])
+             for tool in others]
+    # The fitting tool always takes the request's arguments: that is no overlap.
+    assert not script.shares_argument_word(replace(case, offered=(case.tool, *apart)))
+    near = _with_argument_names(apart[0], [f"max_{asked.split('_')[-1]}", "zzq"])
+    assert script.shares_argument_word(replace(case, offered=(case.tool, near, *apart[1:])))
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="needs the shipped checkpoint")
+def test_the_script_reads_decisions_and_writes_json(script, monkeypatch, tmp_path) -> None:
+    out = tmp_path / "decisions.json"
+    monkeypatch.setattr(sys, "argv", ["unseen_tool_decisions.py", str(SHIPPED_CHECKPOINT),
+                                      "--num", "6", "--json", str(out)])
+    script.main()
+    result = json.loads(out.read_text())["decisions"]
+    assert {key for key in result if key.endswith(", all")} == {
+        f"{kind}, all" for kind in unseen_tools.KINDS}
+    for kind in unseen_tools.KINDS:
+        parts = [cell["count"] for key, cell in result.items()
+                 if key.startswith(kind) and not key.endswith("all")]
+        assert sum(parts) == result[f"{kind}, all"]["count"] == 2
+    assert all(0.0 <= cell["right"] <= 1.0 for cell in result.values())
