@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from muse.checkpoint.loading import load_reference_model  # noqa: E402
 from muse.tokenizer import MuseTokenizer  # noqa: E402
 from muse.train.data.split import HELD_OUT, TRAIN  # noqa: E402
-from muse.train.data.tools import none_can  # noqa: E402
 from muse.train.data.unseen_tools import (UnseenToolCase, exchange, offered_schemas,  # noqa: E402
-                                          reasoning)
+                                          reasoning, verdict)
 from unseen_tool_splits import split_cases  # noqa: E402
-
-CALLING = " I should call"
 
 
 def decision_prefix(case: UnseenToolCase) -> str:
     """The reasoning up to its decision (the request restated, the offered tools listed)."""
-    text = reasoning(case)
-    if case.tool is not None:
-        return text[:text.index(CALLING)]
-    return text[:text.rindex(" " + _declining(case))]
+    return reasoning(case).removesuffix(" " + verdict(case))
 
 
-def _declining(case: UnseenToolCase) -> str:
-    return none_can(len(case.offered), case.declined or case.requested.action)
+def _verdict_as(case: UnseenToolCase, kind: str) -> str:
+    """The verdict the case's reasoning would end with were it of `kind`: for a declined
+    case, the call of the tool it asks for; for a call, the decline."""
+    return verdict(replace(case, kind=kind))
 
 
 def shares_argument_word(case: UnseenToolCase) -> bool:
@@ -73,8 +70,8 @@ def call_probability(model: torch.nn.Module, tokenizer: MuseTokenizer,
                                            add_generation_prompt=True)
     prefix = prompt + "<think>" + decision_prefix(case)
     prefix_ids = tokenizer.encode(prefix)
-    calling = _next_token(tokenizer, prefix_ids, prefix + CALLING)
-    declining = _next_token(tokenizer, prefix_ids, prefix + " " + _declining(case))
+    calling = _next_token(tokenizer, prefix_ids, prefix + " " + _verdict_as(case, "call"))
+    declining = _next_token(tokenizer, prefix_ids, prefix + " " + _verdict_as(case, "no_tool"))
     probabilities = model(torch.tensor([prefix_ids])).logits[0, -1].float().softmax(-1)
     return float(probabilities[calling] / (probabilities[calling] + probabilities[declining]))
 

@@ -287,6 +287,11 @@ def declining_message(case: ToolCase, offered: Sequence[dict[str, Any]], answer:
     return {"role": "assistant", "reasoning_content": reasoning, "content": answer}
 
 
+def will_call(name: str) -> str:
+    """The reasoning's verdict when it calls the tool `name`."""
+    return f"I should call {quoted(name)}."
+
+
 def none_can(offered: int, action: str) -> str:
     """The reasoning's verdict when none of the `offered` tools does `action` (the same words
     for first-version and made-up tools)."""
@@ -354,7 +359,7 @@ def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str,
     so that any tool list is read the same way)."""
     names = [schema["function"]["name"] for schema in offered]
     reasoning = (f"{asks(REQUESTED_ACTIONS[case.name])} {offered_names(names)} "
-                 f"I should call {quoted(case.name)}.")
+                 f"{will_call(case.name)}")
     return {"role": "assistant", "reasoning_content": reasoning,
             "content": "", "tool_calls": [{"type": "function", "function": {
                 "name": case.name, "arguments": case.arguments}}]}

@@ -58,7 +58,7 @@ from typing import Any
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.tools import (asks, asks_for, function_schema, none_can, offered_names,
-                                   quoted)
+                                   quoted, will_call)
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up, pieced or common words rather than from the word lists.
@@ -720,16 +720,19 @@ def reasoning(case: UnseenToolCase) -> str:
     tools' names: the decision that follows compares names written right there, instead of
     recalling a tool that fits the request but is not offered.
     """
-    action = case.declined or case.requested.action
     names = offered_names([tool.name for tool in case.offered])
     # Lookups are 30% of the cases: restated "to get the order status", they taught the
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
     asked = case.restated or (asks_for(f"the {case.requested.noun}") if case.lookup
-                              else asks(action))
-    offered = f"{asked} {names}"
+                              else asks(case.declined or case.requested.action))
+    return f"{asked} {names} {verdict(case)}"
+
+
+def verdict(case: UnseenToolCase) -> str:
+    """The reasoning's last sentence: the tool it calls, or that none of the offered can."""
     if case.tool is not None:
-        return f"{offered} I should call {quoted(case.tool.name)}."
-    return f"{offered} {none_can(len(case.offered), action)}"
+        return will_call(case.tool.name)
+    return none_can(len(case.offered), case.declined or case.requested.action)
 
 
 def exchange(case: UnseenToolCase) -> list[dict[str, Any]]:
