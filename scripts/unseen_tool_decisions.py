@@ -1,7 +1,7 @@
 """The decision of unseen-tool replies, read teacher-forced: at the point where the reasoning
 says "I should call ..." or declines ("It cannot ...", "None of them can ..."), the model's
-probability of calling against declining, for cases grouped by kind and by whether an offered
-tool that does not fit shares a word of an argument name with the request.
+probability of calling against declining, for cases grouped by kind and by how close an offered
+tool that does not fit comes to taking an argument the request names (`argument_overlap`).
 
     python scripts/unseen_tool_decisions.py MODEL [--num 240] [--split held_out] [--json OUT]
 
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from muse.checkpoint.loading import load_reference_model  # noqa: E402
 from muse.tokenizer import MuseTokenizer  # noqa: E402
 from muse.train.data.split import HELD_OUT, TRAIN  # noqa: E402
-from muse.train.data.unseen_tools import (UnseenToolCase, exchange, offered_schemas,  # noqa: E402
-                                          reasoning, verdict)
+from muse.train.data.unseen_tools import (UnseenToolCase, argument_word, exchange,  # noqa: E402
+                                          offered_schemas, reasoning, verdict)
 from unseen_tool_splits import split_cases  # noqa: E402
 
 
@@ -46,13 +46,22 @@ def _verdict_as(case: UnseenToolCase, kind: str) -> str:
     return verdict(replace(case, kind=kind))
 
 
-def shares_argument_word(case: UnseenToolCase) -> bool:
-    """Whether an offered tool other than the fitting one takes an argument whose name shares
-    a word with an argument the request names (`max_budget` and `budget`)."""
-    asked = {word for name in case.arguments for word in name.split("_")}
-    return any(asked & set(argument.name.split("_"))
-               for tool in case.offered if tool is not case.tool
-               for argument in tool.arguments)
+def argument_overlap(case: UnseenToolCase) -> str:
+    """How an offered tool other than the fitting one comes closest to taking an argument the
+    request names: "same name", "same word" (`max_budget` for `budget`), "prefix only"
+    (`max_depth` for `max_budget`) or "none"."""
+    asked = set(case.arguments)
+    words = {argument_word(name) for name in asked}
+    prefixes = {word for name in asked for word in name.split("_")} - words
+    others = [argument.name for tool in case.offered if tool is not case.tool
+              for argument in tool.arguments]
+    if asked & set(others):
+        return "same name"
+    if words & {argument_word(name) for name in others}:
+        return "same word"
+    if prefixes & {word for name in others for word in name.split("_")}:
+        return "prefix only"
+    return "none"
 
 
 def _next_token(tokenizer: MuseTokenizer, prefix_ids: list[int], text: str) -> int:
@@ -78,13 +87,12 @@ def call_probability(model: torch.nn.Module, tokenizer: MuseTokenizer,
 
 def decisions(model: torch.nn.Module, tokenizer: MuseTokenizer,
               cases: list[UnseenToolCase]) -> dict[str, dict[str, Any]]:
-    """Right decisions by kind and argument-word overlap: {"no_tool, shared": {"count",
+    """Right decisions by kind and argument overlap: {"no_tool, same word": {"count",
     "right"}, ...}, with "all" per kind."""
     groups: dict[str, list[bool]] = defaultdict(list)
     for case in cases:
         right = (call_probability(model, tokenizer, case) > 0.5) == (case.tool is not None)
-        shared = "shared" if shares_argument_word(case) else "not shared"
-        groups[f"{case.kind}, {shared}"].append(right)
+        groups[f"{case.kind}, {argument_overlap(case)}"].append(right)
         groups[f"{case.kind}, all"].append(right)
     return {key: {"count": len(values), "right": sum(values) / len(values)}
             for key, values in sorted(groups.items())}

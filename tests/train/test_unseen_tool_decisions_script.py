@@ -39,16 +39,33 @@ def _with_argument_names(tool: unseen_tools.Tool, names: list[str]) -> unseen_to
                                          for argument, name in zip(tool.arguments, names)))
 
 
-def test_an_argument_word_is_shared_only_by_a_tool_that_does_not_fit(script) -> None:
+def test_the_overlap_is_read_only_from_tools_that_do_not_fit(script) -> None:
     case = unseen_tools.sample_case(random.Random(2), HELD_OUT, "choose")
     asked = next(iter(case.arguments))
+    word = unseen_tools.argument_word(asked)
     others = [tool for tool in case.offered if tool is not case.tool]
     apart = [_with_argument_names(tool, [f"zz{index}q" for index in range(3)])
              for tool in others]
+
+    def overlap(*names: str) -> str:
+        near = _with_argument_names(apart[0], [*names, "zzq"])
+        return script.argument_overlap(replace(case, offered=(case.tool, near, *apart[1:])))
+
     # The fitting tool always takes the request's arguments: that is no overlap.
-    assert not script.shares_argument_word(replace(case, offered=(case.tool, *apart)))
-    near = _with_argument_names(apart[0], [f"max_{asked.split('_')[-1]}", "zzq"])
-    assert script.shares_argument_word(replace(case, offered=(case.tool, near, *apart[1:])))
+    assert script.argument_overlap(replace(case, offered=(case.tool, *apart))) == "none"
+    assert overlap(asked) == "same name"
+    assert overlap(f"{'min' if asked.startswith('max_') else 'max'}_{word}") == "same word"
+    assert overlap("zzr") == "none"
+
+
+def test_a_shared_prefix_alone_is_its_own_group(script) -> None:
+    case = unseen_tools.sample_case(random.Random(3), HELD_OUT, "no_tool")
+    value = next(iter(case.arguments.values()))
+    case = replace(case, requested=_with_argument_names(case.requested, ["max_zzbudget"]),
+                   arguments={"max_zzbudget": value},
+                   offered=tuple(_with_argument_names(tool, ["max_zzdepth", "zzq", "zzr"])
+                                 for tool in case.offered))
+    assert script.argument_overlap(case) == "prefix only"
 
 
 @pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),

@@ -210,17 +210,33 @@ def test_training_near_misses_include_another_qualifier_of_the_same_verb_and_nou
 
 def test_training_distractors_often_take_the_targets_argument_names() -> None:
     """The action, not the arguments the user names, must pick the tool: about half the
-    training distractors take some of the target's argument names (each name once a tool, its
-    first argument still required), where without them almost none would."""
+    training distractors take some of the target's argument names or their relatives (the
+    same word, another prefix), each name once a tool, its first argument still required,
+    where without them almost none would."""
     distractors = [(case.requested, tool) for case in _cases(13, 600, TRAIN, "no_tool")
                    for tool in case.offered]
-    sharing = 0
+    same, relative = 0, 0
     for target, tool in distractors:
         names = [argument.name for argument in tool.arguments]
         assert len(set(names)) == len(names), tool
         assert tool.arguments[0].required, tool
-        sharing += bool(set(names) & {argument.name for argument in target.arguments})
-    assert 0.35 < sharing / len(distractors) < 0.65, sharing / len(distractors)
+        targets = {argument.name for argument in target.arguments}
+        words = {unseen_tools.argument_word(name) for name in targets}
+        same += bool(set(names) & targets)
+        relative += any(name not in targets and unseen_tools.argument_word(name) in words
+                        for name in names)
+    assert 0.2 < same / len(distractors) < 0.5, same / len(distractors)
+    assert 0.2 < relative / len(distractors) < 0.5, relative / len(distractors)
+
+
+@pytest.mark.parametrize("name", ["budget", "max_budget", "start_new"])
+def test_a_relative_name_keeps_the_word_and_changes_the_prefix(name: str) -> None:
+    rng = random.Random(name)
+    relatives = {unseen_tools.relative_name(rng, name, {name, "min_budget"})
+                 for _ in range(200)}
+    word = unseen_tools.argument_word(name)
+    assert relatives == ({f"{prefix}_{word}" for prefix in unseen_tools.ARGUMENT_PREFIXES}
+                         | ({word} if word != name else set())) - {name, "min_budget"}
 
 
 def test_a_lookup_is_never_offered_beside_another_lookup_verb_of_its_noun() -> None:
