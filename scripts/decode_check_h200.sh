@@ -29,7 +29,7 @@ tests)
     done
     echo "left to CI (a package missing here): ${IGNORED[*]:-none}" > "$OUT/tests_h200.log"
     timeout "${TEST_TIMEOUT:-540}" "$PYTHON" -m pytest tests/kernels tests/engine \
-        tests/test_reference.py -q -p no:cacheprovider "${IGNORED[@]}" \
+        tests/test_reference.py -o addopts="" -q -p no:cacheprovider "${IGNORED[@]}" \
         >> "$OUT/tests_h200.log" 2>&1
     tail -40 "$OUT/tests_h200.log"
     ;;

@@ -86,7 +86,10 @@ QUALIFIER_MISS_SHARE = 0.2
 # them a distractor's arguments never matched the request's, and the model learnt to call
 # whichever tool takes the arguments the user names: read teacher-forced, held-out declines
 # were right 0.97 of the time where no offered tool shares an argument word with the request
-# and 0.37 where one does (63% of them: the held-out names have eight argument words).
+# and 0.37 where one does (63% of them: the held-out names have eight argument words). So
+# far they move decisions from choosing to declining rather than adding right ones: the names
+# alone must then decide, and held-out names are not read well enough (docs/training.md,
+# run 21).
 ARGUMENT_MISS_SHARE = 0.5
 # Of the names such a distractor takes: a relative of the target's name (the same word with
 # another prefix or none, `max_budget` for `budget`) rather than the name itself. Held-out
