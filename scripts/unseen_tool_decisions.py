@@ -1,7 +1,8 @@
 """The decision of unseen-tool replies, read teacher-forced: at the point where the reasoning
 says "I should call ..." or declines ("It cannot ...", "None of them can ..."), the model's
-probability of calling against declining, for cases grouped by kind and by how close an offered
-tool that does not fit comes to taking an argument the request names (`argument_overlap`).
+probability of calling against declining, for cases grouped by kind, by how close an offered
+tool that does not fit comes to taking an argument the request names (`argument_overlap`) and
+by the number of offered tools.
 
     python scripts/unseen_tool_decisions.py MODEL [--num 240] [--split held_out] [--json OUT]
 
@@ -87,12 +88,14 @@ def call_probability(model: torch.nn.Module, tokenizer: MuseTokenizer,
 
 def decisions(model: torch.nn.Module, tokenizer: MuseTokenizer,
               cases: list[UnseenToolCase]) -> dict[str, dict[str, Any]]:
-    """Right decisions by kind and argument overlap: {"no_tool, same word": {"count",
-    "right"}, ...}, with "all" per kind."""
+    """Right decisions by kind, by argument overlap and by the number of offered tools:
+    {"no_tool, same word": {"count", "right"}, "no_tool, 3 offered": ..., ...}, with "all"
+    per kind."""
     groups: dict[str, list[bool]] = defaultdict(list)
     for case in cases:
         right = (call_probability(model, tokenizer, case) > 0.5) == (case.tool is not None)
         groups[f"{case.kind}, {argument_overlap(case)}"].append(right)
+        groups[f"{case.kind}, {len(case.offered)} offered"].append(right)
         groups[f"{case.kind}, all"].append(right)
     return {key: {"count": len(values), "right": sum(values) / len(values)}
             for key, values in sorted(groups.items())}
