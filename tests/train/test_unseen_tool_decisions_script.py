@@ -79,9 +79,9 @@ def test_the_script_reads_decisions_and_writes_json(script, monkeypatch, tmp_pat
     assert {key for key in result if key.endswith(", all")} == {
         f"{kind}, all" for kind in unseen_tools.KINDS}
     for kind in unseen_tools.KINDS:
-        for grouping in ("offered", "overlap"):
-            parts = [cell["count"] for key, cell in result.items() if key.startswith(kind)
-                     and not key.endswith("all") and key.endswith("offered") == (
-                         grouping == "offered")]
-            assert sum(parts) == result[f"{kind}, all"]["count"] == 2
+        counts = {key: cell["count"] for key, cell in result.items() if key.startswith(kind)}
+        by_offered = [count for key, count in counts.items() if key.endswith(" offered")]
+        by_overlap = [count for key, count in counts.items()
+                      if not key.endswith((" offered", ", all"))]
+        assert sum(by_offered) == sum(by_overlap) == counts[f"{kind}, all"] == 2
     assert all(0.0 <= cell["right"] <= 1.0 for cell in result.values())
