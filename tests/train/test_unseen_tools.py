@@ -239,6 +239,16 @@ def test_a_relative_name_keeps_the_word_and_changes_the_prefix(name: str) -> Non
                          | ({word} if word != name else set())) - {name, "min_budget"}
 
 
+def test_in_training_the_number_of_offered_tools_does_not_tell_the_kind() -> None:
+    """Four offered tools were always a choice; a training decline offers up to four too
+    (held-out declines keep one to three)."""
+    def counts(split: str, kind: str) -> set[int]:
+        return {len(case.offered) for case in _cases(5, 300, split, kind)}
+    assert counts(TRAIN, "choose") == {2, 3, 4}
+    assert counts(TRAIN, "no_tool") == {1, 2, 3, 4}
+    assert counts(HELD_OUT, "no_tool") == {1, 2, 3}
+
+
 def test_a_lookup_is_never_offered_beside_another_lookup_verb_of_its_noun() -> None:
     """"check_order_status" does what "get_order_status" does: as a distractor of a lookup it
     would make a declined request one that an offered tool fits."""

@@ -80,6 +80,8 @@ CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g
 # More declines (0.2, 0.45, 0.35) moved replies from calling to declining without more of
 # them right (a probe from run 10, docs/training.md "Run 10").
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
+# The most tools a case offers: a choice offers the fitting one and one to three others.
+MOST_OFFERED = 4
 # Of training distractors for a target with a qualifier: its verb and noun, another qualifier.
 QUALIFIER_MISS_SHARE = 0.2
 # Of training distractors: one that also takes some of the target's argument names. Without
@@ -705,7 +707,11 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         arguments = _call_arguments(rng, requested, split)
         request = _request(rng, split, requested, arguments)
     others: list[Tool] = []
-    count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
+    # In training a decline offers as many tools as a choice may (up to four), so that the
+    # number of offered tools tells nothing of whether one fits (held-out draws unchanged).
+    most_declined = MOST_OFFERED if split == TRAIN else MOST_OFFERED - 1
+    count = {"call": 0, "choose": rng.randint(1, MOST_OFFERED - 1),
+             "no_tool": rng.randint(1, most_declined)}[kind]
     while len(others) < count:
         other = _distractor(rng, split, requested)
         if _distinct(other, [requested, *others], split, lookup):
