@@ -676,17 +676,21 @@ def with_arguments_of(rng: random.Random, tool: Tool, target: Tool) -> Tool:
     return replace(tool, arguments=tuple(arguments))
 
 
+def _prefix_and_word(name: str) -> tuple[str, str]:
+    """An argument name's prefix of ARGUMENT_PREFIXES ("" when none) and its word."""
+    prefix, _, word = name.partition("_")
+    return (prefix, word) if word and prefix in ARGUMENT_PREFIXES else ("", name)
+
+
 def argument_word(name: str) -> str:
     """An argument name without its prefix of ARGUMENT_PREFIXES (`budget` for `max_budget`)."""
-    prefix, _, word = name.partition("_")
-    return word if word and prefix in ARGUMENT_PREFIXES else name
+    return _prefix_and_word(name)[1]
 
 
 def relative_name(rng: random.Random, name: str, avoid: set[str]) -> str:
     """`name`'s word with another of ARGUMENT_PREFIXES or none (`max_budget` for `budget` or
     `min_budget`, `budget` for `max_budget`), never one of `avoid`."""
-    word = argument_word(name)
-    prefix = name.removesuffix("_" + word) if word != name else ""
+    prefix, word = _prefix_and_word(name)
     candidates = [f"{other}_{word}" for other in ARGUMENT_PREFIXES if other != prefix]
     if prefix:
         candidates.append(word)
