@@ -28,7 +28,8 @@
 # decoder stage then starts from its output and reuses its speech pool.
 # SECTIONS (default: every eval section) picks what `muse eval` runs; EVAL_NUM=0 skips it.
 # SLIDING_WINDOW=N trains with that window in the decoder's sliding layers (default: the
-# preset's).
+# preset's). VERDICT_WEIGHT=W weighs the unseen-tool verdict's tokens W times in the loss
+# (`--verdict-loss-weight`, default 1).
 # COMPILE=1 compiles the decoder layers (`--compile`: a minute or two of compiling, then
 # fewer, fused kernels a step).
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
@@ -94,6 +95,7 @@ if [ -n "${TASK_WEIGHTS:-}" ]; then TRAIN+=(--task-weights "$TASK_WEIGHTS"); fi
 if [ -n "${RESUME:-}" ]; then TRAIN+=(--resume); fi
 if [ -n "${COMPILE:-}" ]; then TRAIN+=(--compile); fi
 if [ -n "${SLIDING_WINDOW:-}" ]; then TRAIN+=(--sliding-window "$SLIDING_WINDOW"); fi
+if [ -n "${VERDICT_WEIGHT:-}" ]; then TRAIN+=(--verdict-loss-weight "$VERDICT_WEIGHT"); fi
 echo "+ ${TRAIN[*]}" | tee -a "$LOG"
 "${TRAIN[@]}" 2>&1 | tee -a "$LOG"
 

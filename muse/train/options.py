@@ -32,6 +32,10 @@ class PretrainArgs:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     aux_loss_coef: float = 0.01
+    # How many times the unseen-tool verdict's tokens (the tool called, or that none fits)
+    # count in the loss beside other trained tokens: one token of a long conversation
+    # decides it, and with weight 1 it is a few parts in ten thousand of a batch's loss.
+    verdict_loss_weight: float = 1.0
     encoder_lr_scale: float = 1.0  # the encoders' learning rate, as a multiple of --lr
     seed: int = 0
     conversation_share: float = 0.7
@@ -64,6 +68,9 @@ class PretrainArgs:
             raise ValueError("--resume continues a run; --init-from starts a new one: give one")
         if self.speech_clips < 0:
             raise ValueError(f"--speech-clips must be >= 0, got {self.speech_clips}")
+        if self.verdict_loss_weight < 0:
+            raise ValueError(f"--verdict-loss-weight must be >= 0, got "
+                             f"{self.verdict_loss_weight}")
         if self.encoder_lr_scale <= 0:
             raise ValueError(f"--encoder-lr-scale must be positive, got {self.encoder_lr_scale}")
 
@@ -171,6 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the schedule's")
     parser.add_argument("--aux-loss-coef", type=float, default=defaults.aux_loss_coef,
                         help="weight of the router load-balancing loss")
+    parser.add_argument("--verdict-loss-weight", type=float,
+                        default=defaults.verdict_loss_weight,
+                        help="how many times the tokens of the unseen-tool reasoning's "
+                             "verdict (the tool it calls, or that none of the offered fits) "
+                             "count in the loss beside other trained tokens")
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="seeds the initial weights and the data stream")
     parser.add_argument("--conversation-share", type=float, default=defaults.conversation_share,

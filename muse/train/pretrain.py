@@ -66,7 +66,7 @@ SCHEDULE_REFIT_STEPS = 100
 RUN_DEFINING = ("preset", "sliding_window", "batch_size", "seq_len", "lr", "min_lr_ratio",
                 "warmup_steps", "weight_decay", "grad_clip", "seed", "conversation_share",
                 "task_weights", "aux_loss_coef", "python_packages", "encoder_lr_scale",
-                "speech_pool", "speech_clips", "schedule_steps")
+                "speech_pool", "speech_clips", "schedule_steps", "verdict_loss_weight")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -361,19 +361,25 @@ def _media_of_rows(media: list[MediaInput], rows: slice, device: torch.device
 
 def accumulate_gradients(model: MuseForCausalLM, balance: RouterLoadBalance,
                          batch: dict[str, Any], micro_batch_size: int,
-                         aux_loss_coef: float, device: torch.device
+                         aux_loss_coef: float, device: torch.device,
+                         verdict_loss_weight: float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward and backward over `batch` in micro-batches of `micro_batch_size` rows.
 
     Each micro-batch's loss is divided by the whole batch's count of trained tokens, so the
     gradients add up to those of the batch's masked mean loss however it is split (the
-    balance loss, being per micro-batch, is weighted by its share of rows). Returns the
-    per-token losses, their sources and the balance loss, still on the device."""
+    balance loss, being per micro-batch, is weighted by its share of rows). Emphasized tokens
+    (the batch's `emphasis` mask) count `verdict_loss_weight` times in the sum, the divisor
+    unchanged, so every other token's gradient is what it was. Returns the per-token losses,
+    their sources and the balance loss, still on the device."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     sources = batch["sources"].to(device, non_blocking=True)
     weights = (sources > 0).float()
     trained_tokens = weights.sum().clamp(min=1.0)
+    if verdict_loss_weight != 1.0 and "emphasis" in batch:
+        emphasis = batch["emphasis"].to(device, non_blocking=True)
+        weights = weights + (verdict_loss_weight - 1.0) * (weights * emphasis.float())
     rows = input_ids.shape[0]
     losses, balance_losses = [], []
     for start in range(0, rows, micro_batch_size):
@@ -408,7 +414,7 @@ def train_step(model: MuseForCausalLM, optimizer: torch.optim.Optimizer,
         group["lr"] = lr * group.get("lr_scale", 1.0)
     per_token, sources, aux = accumulate_gradients(
         model, balance, batch, args.micro_batch_size or args.batch_size, args.aux_loss_coef,
-        device)
+        device, args.verdict_loss_weight)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     taken = bool(torch.isfinite(grad_norm))
     if taken:

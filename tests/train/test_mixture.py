@@ -11,7 +11,9 @@ from muse.chat_format import (ASSISTANT_ID, AUDIO_ID, BOS_ID, END_OF_TURN_ID, IM
 from muse.multimodal.processor import MuseSparkProcessor, ProcessorConfig
 from muse.presets import PROCESSOR_SETTINGS, get_preset
 from muse.tokenizer import MuseTokenizer
-from muse.train.data.conversations import Conversation, conversation_tasks
+from muse.train.data import unseen_tools
+from muse.train.data.conversations import (Conversation, answered_directly, conversation_tasks,
+                                           unseen_tool_conversation)
 from muse.train.data.mixture import (
     NO_LOSS,
     PYTHON_SOURCE,
@@ -19,6 +21,7 @@ from muse.train.data.mixture import (
     MixtureConfig,
     TrainingBatches,
     assistant_mask,
+    emphasis_mask,
     encode_conversation,
 )
 from muse.train.data.python_source import PythonCorpus, SourceFile
@@ -151,3 +154,35 @@ def test_media_rows_put_each_items_spans_on_its_placeholder_tokens(
         # Media tokens are context: never a training target.
         assert not (placeholders[:, 1:] & (sources[:, :-1] != NO_LOSS)).any()
     assert kinds == {"image", "video", "audio"}
+
+
+def test_the_unseen_tool_verdict_is_emphasized(tokenizer: MuseTokenizer) -> None:
+    """The emphasis mask covers exactly the verdict's tokens ("I should call ..." or the
+    decline) inside the assistant's reasoning; a reply without reasoning has none."""
+    rng = random.Random(3)
+    for _ in range(40):
+        conversation = unseen_tool_conversation(rng, TRAIN)
+        ids, sources, _ = encode_conversation(conversation, tokenizer)
+        mask = emphasis_mask(ids, sources, conversation, tokenizer)
+        marked = [token for token, flag in zip(ids, mask) if flag]
+        assert tokenizer.decode(marked) == " " + conversation.emphasized[0]
+        assert conversation.emphasized[0].startswith(("I should call", "It cannot", "None of"))
+        assert all(source for source, flag in zip(sources, mask) if flag)
+        direct = answered_directly(conversation)
+        assert direct.emphasized == ()
+    tasks = [task for task in conversation_tasks(vision=False) if task.name == "unseen_tools"]
+    batch = TrainingBatches(MixtureConfig(seq_len=512, batch_size=3), tokenizer, None,
+                            tasks)[0]
+    assert batch["emphasis"].shape == batch["labels"].shape
+    assert batch["emphasis"].any()
+    assert (batch["sources"][batch["emphasis"]] > 0).all()
+
+
+def test_an_emphasized_text_the_reply_lacks_is_an_error(tokenizer: MuseTokenizer) -> None:
+    conversation = Conversation("unseen_tools", [
+        {"role": "user", "content": "Scan the locker."},
+        {"role": "assistant", "reasoning_content": "The tool is \"scan_locker\".",
+         "content": "I scan it."}], emphasized=('I should call "scan_locker".',))
+    ids, sources, _ = encode_conversation(conversation, tokenizer)
+    with pytest.raises(ValueError, match="not among the assistant's tokens"):
+        emphasis_mask(ids, sources, conversation, tokenizer)

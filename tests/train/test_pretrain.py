@@ -259,3 +259,42 @@ def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path) -> None:
     assert len(losses[0]) == 2
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     load_reference_model(tmp_path / "compiled")
+
+
+def test_emphasized_tokens_count_verdict_loss_weight_times() -> None:
+    """`--verdict-loss-weight W`: the gradients are those of the trained tokens' loss with
+    each emphasized token counted W times, divided by the count of trained tokens as before
+    (so W = 1, or a batch without emphasis, trains as it always did)."""
+    from muse.train.router_balance import RouterLoadBalance
+
+    config = get_preset("muse-spark-tiny")
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.text_config.vocab_size, (2, 25), generator=generator)
+    sources = torch.randint(0, 3, (2, 24), generator=generator)
+    emphasis = torch.rand(2, 24, generator=generator) < 0.3
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "sources": sources,
+             "emphasis": emphasis}
+
+    def gradients(weight: float, with_emphasis: bool = True) -> list[torch.Tensor]:
+        model = pretrain.build_model(config, seed=0)
+        balance = RouterLoadBalance(model, config.text_config.num_experts_per_tok)
+        given = batch if with_emphasis else {k: v for k, v in batch.items() if k != "emphasis"}
+        pretrain.accumulate_gradients(model, balance, given, 1, 0.0, torch.device("cpu"),
+                                      weight)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    model = pretrain.build_model(config, seed=0)
+    logits = model(batch["input_ids"]).logits
+    per_token = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="none")
+    trained = (sources > 0).float().reshape(-1)
+    counted = trained * (1 + 3.0 * emphasis.float().reshape(-1))
+    ((per_token * counted).sum() / trained.sum()).backward()
+    expected = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(expected) == len(gradients(4.0))
+    for got, want in zip(gradients(4.0), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    plain = gradients(1.0, with_emphasis=False)
+    assert any(not torch.allclose(a, b) for a, b in zip(gradients(4.0), plain))
+    for got, want in zip(gradients(1.0), plain):
+        torch.testing.assert_close(got, want)

@@ -50,6 +50,9 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
     # "image" / "video" / "audio" -> the items of the placeholders of that kind, in order.
     media: dict[str, list[Any]] = field(default_factory=dict)
+    # Texts of the assistant's reasoning whose tokens training may weigh more in the loss
+    # (`--verdict-loss-weight`): the unseen-tool verdict, the one sentence that decides.
+    emphasized: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,8 @@ def unseen_tool_conversation(rng: random.Random, split: str) -> Conversation:
         else unseen_tools.sample_case
     case = sample(rng, split)
     return Conversation("unseen_tools", _system(rng) + unseen_tools.exchange(case),
-                        unseen_tools.offered_schemas(case))
+                        unseen_tools.offered_schemas(case),
+                        emphasized=(unseen_tools.verdict(case),))
 
 
 def rescale_randomly(image: Image.Image, rng: random.Random) -> Image.Image:
@@ -240,10 +244,10 @@ def conversation_tasks(vision: bool = False, speech_pool: Any = None,
 
 def answered_directly(conversation: Conversation) -> Conversation:
     """The conversation with every reply's reasoning emptied: `<think></think>` and then the
-    answer, the call or the refusal."""
+    answer, the call or the refusal (no reasoning, so no verdict to emphasize)."""
     messages = [{**message, "reasoning_content": ""} if message["role"] == "assistant"
                 else message for message in conversation.messages]
-    return replace(conversation, messages=messages)
+    return replace(conversation, messages=messages, emphasized=())
 
 
 def sample_conversation(rng: random.Random, split: str,

@@ -5,6 +5,8 @@ the row (a conversation is never cut, so every assistant turn sees its question)
 Python chunk filling the rest, placed before or after them. Every token carries a source id:
 0 for no loss, 1 for Python (loss on every token but `<|bos|>`), 2.. for a conversation task
 (loss on assistant turns only, their `<|end|>` included, so the model learns to stop).
+A second mask marks the tokens of the texts a conversation emphasizes (`emphasized`: the
+unseen-tool verdict), which training may weigh more (`--verdict-loss-weight`).
 
 Conversations with media are expanded by the model's processor: each placeholder becomes as
 many tokens as its encoder gives, and the batch lists every item (`MediaInput`: its encoder
@@ -91,6 +93,25 @@ def encode_conversation(conversation: Conversation, tokenizer: MuseTokenizer,
     return ids, [source if inside else NO_LOSS for inside in assistant_mask(ids)], media
 
 
+def emphasis_mask(token_ids: list[int], sources: list[int], conversation: Conversation,
+                  tokenizer: MuseTokenizer) -> list[bool]:
+    """True for the tokens of each of `conversation.emphasized`, found as its last occurrence
+    among the trained (assistant) tokens. Each text is encoded after a space, as it follows
+    the sentence before it in the reasoning; one not found is an error, not a silent loss of
+    its weight."""
+    mask = [False] * len(token_ids)
+    for text in conversation.emphasized:
+        wanted = tokenizer.encode(" " + text)
+        starts = [start for start in range(len(token_ids) - len(wanted), -1, -1)
+                  if token_ids[start:start + len(wanted)] == wanted
+                  and all(sources[start:start + len(wanted)])]
+        if not starts:
+            raise ValueError(f"emphasized text {text!r} is not among the assistant's tokens "
+                             f"of a {conversation.task} conversation")
+        mask[starts[0]:starts[0] + len(wanted)] = [True] * len(wanted)
+    return mask
+
+
 def _shifted(media: list[MediaInput], offset: int, row: int) -> list[MediaInput]:
     return [MediaInput(item.kind, item.data, [(start + offset, n) for start, n in item.spans],
                        row) for item in media]
@@ -111,18 +132,21 @@ class TrainingBatches(torch.utils.data.Dataset):
         self.tasks = tasks
         self.processor = processor
 
-    def row(self, step: int, index: int) -> tuple[list[int], list[int], list[MediaInput]]:
-        """Tokens, source ids and media items (row `index`) of one row (`seq_len + 1`
-        tokens)."""
+    def row(self, step: int, index: int
+            ) -> tuple[list[int], list[int], list[bool], list[MediaInput]]:
+        """Tokens, source ids, the emphasis mask (`emphasis_mask`) and media items (row
+        `index`) of one row (`seq_len + 1` tokens)."""
         length = self.config.seq_len + 1
         rng = random.Random(f"{self.config.seed}/{step}/{index}")
         budget = round(length * self.config.conversation_share) if self.python else length
         ids: list[int] = []
         sources: list[int] = []
+        emphasis: list[bool] = []
         media: list[MediaInput] = []
         while len(ids) < budget:
+            conversation = sample_conversation(rng, TRAIN, self.tasks)
             conversation_ids, conversation_sources, conversation_media = encode_conversation(
-                sample_conversation(rng, TRAIN, self.tasks), self.tokenizer, self.processor)
+                conversation, self.tokenizer, self.processor)
             size = len(conversation_ids)
             # Taking a conversation when at least half of it fits the budget makes the
             # expected share equal the budget rather than overshoot it.
@@ -131,19 +155,25 @@ class TrainingBatches(torch.utils.data.Dataset):
             media += _shifted(conversation_media, len(ids), index)
             ids += conversation_ids
             sources += conversation_sources
+            emphasis += emphasis_mask(conversation_ids, conversation_sources, conversation,
+                                      self.tokenizer)
         rest = length - len(ids)
         if rest and self.python:
             chunk = self.python.sample_tokens(rng, rest, self.tokenizer)
             chunk_sources = [NO_LOSS if t == BOS_ID else PYTHON_SOURCE for t in chunk]
+            plain = [False] * len(chunk)
             if rng.random() < 0.5:
-                return chunk + ids, chunk_sources + sources, _shifted(media, len(chunk), index)
-            return ids + chunk, sources + chunk_sources, media
-        return ids + [PAD_ID] * rest, sources + [NO_LOSS] * rest, media
+                return (chunk + ids, chunk_sources + sources, plain + emphasis,
+                        _shifted(media, len(chunk), index))
+            return ids + chunk, sources + chunk_sources, emphasis + plain, media
+        return (ids + [PAD_ID] * rest, sources + [NO_LOSS] * rest, emphasis + [False] * rest,
+                media)
 
     def __getitem__(self, step: int) -> dict[str, Any]:
         rows = [self.row(step, index) for index in range(self.config.batch_size)]
-        tokens = torch.from_numpy(np.array([ids for ids, _, _ in rows], dtype=np.int64))
-        sources = torch.from_numpy(np.array([src for _, src, _ in rows], dtype=np.uint8))
+        tokens = torch.from_numpy(np.array([row[0] for row in rows], dtype=np.int64))
+        sources = torch.from_numpy(np.array([row[1] for row in rows], dtype=np.uint8))
+        emphasis = torch.from_numpy(np.array([row[2] for row in rows], dtype=np.bool_))
         # Position t predicts token t + 1, so a label's source says whether it is trained on.
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "sources": sources[:, 1:],
-                "media": [item for _, _, row_media in rows for item in row_media]}
+                "emphasis": emphasis[:, 1:], "media": [item for row in rows for item in row[3]]}
