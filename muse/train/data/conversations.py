@@ -51,7 +51,7 @@ class Conversation:
     # "image" / "video" / "audio" -> the items of the placeholders of that kind, in order.
     media: dict[str, list[Any]] = field(default_factory=dict)
     # Texts of the assistant's reasoning whose tokens training may weigh more in the loss
-    # (`--verdict-loss-weight`): the unseen-tool reasoning's sentences that decide.
+    # (`--verdict-loss-weight`): the unseen-tool verdict, the one sentence that decides.
     emphasized: tuple[str, ...] = ()
 
 
@@ -137,7 +137,7 @@ def unseen_tool_conversation(rng: random.Random, split: str) -> Conversation:
     case = sample(rng, split)
     return Conversation("unseen_tools", _system(rng) + unseen_tools.exchange(case),
                         unseen_tools.offered_schemas(case),
-                        emphasized=unseen_tools.deciding_sentences(case))
+                        emphasized=(unseen_tools.verdict(case),))
 
 
 def rescale_randomly(image: Image.Image, rng: random.Random) -> Image.Image:

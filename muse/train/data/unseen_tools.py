@@ -80,10 +80,6 @@ CODAS = ("", "", "", "n", "r", "s", "l", "x", "m", "t", "ck", "ng", "d", "p", "g
 # More declines (0.2, 0.45, 0.35) moved replies from calling to declining without more of
 # them right (a probe from run 10, docs/training.md "Run 10").
 KIND_WEIGHTS = (0.3, 0.5, 0.2)
-# The reasoning marks each offered tool as it lists it ("fits" / "does not fit").
-TOOL_MARKS = True
-# The reasoning writes a generated action as the name of the tool that does it.
-NAMED_ACTIONS = True
 # The most tools a case offers: a choice offers the fitting one and one to three others.
 MOST_OFFERED = 4
 # Of training distractors for a target with a qualifier: its verb and noun, another qualifier.
@@ -754,16 +750,6 @@ def offered_schemas(case: UnseenToolCase) -> list[dict[str, Any]]:
     return [tool.schema() for tool in case.offered]
 
 
-def marked_names(case: UnseenToolCase) -> str:
-    """The offered tools' names in order, each marked as fitting the request or not: 'The
-    tools are "scan_kiosk" (does not fit) and "fetch_kiosk" (fits).'"""
-    marked = [f"{quoted(tool.name)} ({'fits' if tool is case.tool else 'does not fit'})"
-              for tool in case.offered]
-    if len(marked) == 1:
-        return f"The tool is {marked[0]}."
-    return f"The tools are {', '.join(marked[:-1])} and {marked[-1]}."
-
-
 def reasoning(case: UnseenToolCase) -> str:
     """The assistant's reasoning before it calls a tool or declines.
 
@@ -771,23 +757,12 @@ def reasoning(case: UnseenToolCase) -> str:
     tools' names: the decision that follows compares names written right there, instead of
     recalling a tool that fits the request but is not offered.
     """
-    names = marked_names(case) if TOOL_MARKS else offered_names(
-        [tool.name for tool in case.offered])
+    names = offered_names([tool.name for tool in case.offered])
     # Lookups are 30% of the cases: restated "to get the order status", they taught the
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
     asked = case.restated or (asks_for(f"the {case.requested.noun}") if case.lookup
                               else asks(case.declined or case.requested.action))
-    if NAMED_ACTIONS and not (case.restated or case.lookup):
-        # The action written as the tool that does it would be named: the decision is then
-        # whether these very tokens are among the offered names.
-        asked = f"{asked.removesuffix('.')} ({quoted(case.requested.name)})."
     return f"{asked} {names} {verdict(case)}"
-
-
-def deciding_sentences(case: UnseenToolCase) -> tuple[str, ...]:
-    """The reasoning's sentences that decide the reply (what `--verdict-loss-weight`
-    weighs): the marks of the offered tools, when written, and the verdict."""
-    return ((marked_names(case),) if TOOL_MARKS else ()) + (verdict(case),)
 
 
 def verdict(case: UnseenToolCase) -> str:
