@@ -11,7 +11,6 @@ from muse.chat_format import (ASSISTANT_ID, AUDIO_ID, BOS_ID, END_OF_TURN_ID, IM
 from muse.multimodal.processor import MuseSparkProcessor, ProcessorConfig
 from muse.presets import PROCESSOR_SETTINGS, get_preset
 from muse.tokenizer import MuseTokenizer
-from muse.train.data import unseen_tools
 from muse.train.data.conversations import (Conversation, answered_directly, conversation_tasks,
                                            unseen_tool_conversation)
 from muse.train.data.mixture import (
