@@ -105,3 +105,14 @@ def test_cases_render_with_the_chat_template() -> None:
     for case in _cases(16, 30):
         text = tokenizer.apply_chat_template(exchange(case), tools=offered_schemas(case))
         assert case.request in text and reasoning(case) in text
+
+
+def test_the_number_of_offered_tools_does_not_tell_the_kind_in_training() -> None:
+    """As for the generated tools: a training decline offers up to four tools, as a choice
+    may; held-out declines keep one to three."""
+    def counts(split: str, kind: str) -> set[int]:
+        rng = random.Random(4)
+        return {len(sample_case(rng, split, kind).offered) for _ in range(300)}
+    assert counts(TRAIN, "choose") == {2, 3, 4}
+    assert counts(TRAIN, "no_tool") == {1, 2, 3, 4}
+    assert counts(HELD_OUT, "no_tool") == {1, 2, 3}

@@ -31,7 +31,8 @@ from muse.train.data.split import TRAIN, split_items
 from muse.train.data.tools import asks, asks_for
 from muse.train.data.unseen_tools import (CLOSERS, KIND_WEIGHTS, KINDS, OPENERS,
                                           QUESTION_LEAD_INS, Argument, Tool, UnseenToolCase,
-                                          capitalized, completed_case, made_up_word, spoken)
+                                          capitalized, completed_case, distractor_count,
+                                          made_up_word, spoken)
 
 # Of a scenario's argument names: a made-up word the request never says, so the argument is
 # known by its description and type alone (users' schemas name things their own way).
@@ -471,7 +472,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
     values = [slot.draw(rng) for slot in scenario.slots]
     arguments = {argument.name: value for argument, value in zip(requested.arguments, values)}
     request, restated, action = _request(rng, scenario, [spoken(value) for value in values])
-    count = {"call": 0, "choose": rng.randint(1, 3), "no_tool": rng.randint(1, 3)}[kind]
+    count = distractor_count(rng, split, kind)
     groups = {}  # one scenario of each other overlap group, so no two offered overlap
     for other in rng.sample(pool, len(pool)):
         groups.setdefault(other.group, other)

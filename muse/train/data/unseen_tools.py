@@ -697,6 +697,17 @@ def relative_name(rng: random.Random, name: str, avoid: set[str]) -> str:
     return rng.choice([candidate for candidate in candidates if candidate not in avoid])
 
 
+def distractor_count(rng: random.Random, split: str, kind: str) -> int:
+    """How many tools that do not fit a case of `kind` offers. In training a decline offers
+    as many tools as a choice may (up to four), so that the number of offered tools tells
+    nothing of whether one fits (held-out declines keep one to three). Both counts are drawn
+    whatever the kind, so that the draws after them, and so the held-out cases, stay as they
+    were."""
+    most_declined = MOST_OFFERED if split == TRAIN else MOST_OFFERED - 1
+    counts = {"choose": rng.randint(1, MOST_OFFERED - 1), "no_tool": rng.randint(1, most_declined)}
+    return counts.get(kind, 0)
+
+
 def sample_case(rng: random.Random, split: str, kind: str | None = None) -> UnseenToolCase:
     """A case of `kind` (one of KINDS; random by KIND_WEIGHTS when None) from `split`."""
     if kind is None:
@@ -711,11 +722,7 @@ def sample_case(rng: random.Random, split: str, kind: str | None = None) -> Unse
         arguments = _call_arguments(rng, requested, split)
         request = _request(rng, split, requested, arguments)
     others: list[Tool] = []
-    # In training a decline offers as many tools as a choice may (up to four), so that the
-    # number of offered tools tells nothing of whether one fits (held-out draws unchanged).
-    most_declined = MOST_OFFERED if split == TRAIN else MOST_OFFERED - 1
-    count = {"call": 0, "choose": rng.randint(1, MOST_OFFERED - 1),
-             "no_tool": rng.randint(1, most_declined)}[kind]
+    count = distractor_count(rng, split, kind)
     while len(others) < count:
         other = _distractor(rng, split, requested)
         if _distinct(other, [requested, *others], split, lookup):
