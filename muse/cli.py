@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from muse.config import ConfigError, MuseSparkConfig
+from muse.config import LAYER_TYPES, ConfigError, MuseSparkConfig
 from muse.presets import PRESETS, default_model, get_preset
 
 
@@ -240,6 +240,14 @@ def cmd_average(args: argparse.Namespace) -> None:
 
     used = average_checkpoints(args.sources, args.destination, args.weights)
     print(f"wrote {args.destination} (weights {', '.join(f'{w:g}' for w in used)})")
+
+
+def cmd_grow(args: argparse.Namespace) -> None:
+    from muse.checkpoint.grow import grow_checkpoint
+
+    plan = grow_checkpoint(args.source, args.destination, args.insert_after, args.layer_types)
+    print(f"wrote {args.destination} ({len(plan.sources)} decoder layers, "
+          f"{sum(plan.new)} new: {', '.join(str(j) for j, new in enumerate(plan.new) if new)})")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
@@ -480,6 +488,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one weight per source, normalised to sum to one "
                               "(default: equal)")
     average.set_defaults(func=cmd_average)
+
+    grow = sub.add_parser(
+        "grow", help="write a deeper checkpoint: new decoder layers, each a copy of the layer "
+                     "before it with its residual outputs zeroed (the same function)",
+        formatter_class=DefaultsHelpFormatter)
+    grow.add_argument("source", help="a Muse checkpoint folder")
+    grow.add_argument("--output", dest="destination", required=True, help="the folder to write")
+    grow.add_argument("--insert-after", type=int, nargs="+", required=True,
+                      help="source layer indices, each followed by one new layer")
+    grow.add_argument("--layer-types", nargs="+", default=None,
+                      choices=LAYER_TYPES,
+                      help="the new layers' kinds, in the order of --insert-after "
+                           "(default: each copied layer's)")
+    grow.set_defaults(func=cmd_grow)
 
     from muse.bench.options import add_arguments as add_bench_serve_arguments
 

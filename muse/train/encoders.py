@@ -29,7 +29,6 @@ from torch import nn
 
 from muse.checkpoint import ASSETS_DIR, save_checkpoint
 from muse.multimodal.engine_inputs import has_encoders
-from muse.presets import get_preset
 from muse.reference.multimodal import MuseSparkForConditionalGeneration
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.encoder_labels import (DIRECTIONS, IGNORE, MAX_OPERAND, NUM_COLOURS,
@@ -39,7 +38,7 @@ from muse.train.data.vision_tasks import BACKGROUND_CLASS
 from muse.train.encoder_options import EncoderTrainArgs
 from muse.train.pretrain import (build_model, decay_groups, load_initial_weights,
                                  load_or_build_speech_pool, processor_for, resolve_device,
-                                 step_loader)
+                                 step_loader, training_config)
 from muse.train.schedule import learning_rate
 
 logger = logging.getLogger("muse.train")
@@ -139,7 +138,7 @@ def train(args: EncoderTrainArgs) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
-    config = get_preset(args.preset)
+    config = training_config(args.preset, args.init_from)
     if not has_encoders(config):
         raise ValueError(f"preset {args.preset} has no vision or audio encoder to train")
     processor = processor_for(config, args.preset, MuseTokenizer.base())

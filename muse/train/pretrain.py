@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from muse.checkpoint import ASSETS_DIR, load_weights, save_checkpoint
+from muse.checkpoint.configs import read_config_json
 from muse.config import MuseSparkConfig, with_overrides
 from muse.info import text_parameters
 from muse.multimodal.engine_inputs import has_encoders
@@ -104,6 +105,18 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     load-balancing loss) are traced with it."""
     for layer in model.model.layers:
         layer.compile()
+
+
+def training_config(preset: str, depth_from: str | Path | None) -> MuseSparkConfig:
+    """The preset's model, with the decoder's depth (its layer count and kinds) of the
+    checkpoint `depth_from` when given: a checkpoint grown by `muse grow` trains as it is,
+    and a resumed run keeps the depth it started with."""
+    config = get_preset(preset)
+    if depth_from is None:
+        return config
+    text = MuseSparkConfig.from_dict(read_config_json(depth_from)).text_config
+    return with_overrides(config, {"num_hidden_layers": text.num_hidden_layers,
+                                   "layer_types": list(text.layer_types)})
 
 
 def load_initial_weights(model: MuseForCausalLM, directory: str) -> None:
@@ -200,7 +213,8 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         self.args = args
         self.device = resolve_device(args.device)
-        self.config = get_preset(args.preset)
+        self.config = training_config(
+            args.preset, self.out if self.state is not None else args.init_from)
         if args.sliding_window is not None:
             self.config = with_overrides(self.config, {"sliding_window": args.sliding_window})
         self._choose_batch()
