@@ -103,6 +103,11 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     kind; the step's many small kernels (norms, rotary, masks, softmax, SwiGLU, the experts'
     sums) become a few fused ones, forward and backward. The router's forward hooks (the
     load-balancing loss) are traced with it."""
+    # The routers' load-balancing hooks append to one list, whose length dynamo guards on:
+    # each layer compiles its own graph, so the limit must cover the layer count (beyond it,
+    # layers would silently run eager).
+    layers = len(model.model.layers)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
     for layer in model.model.layers:
         layer.compile()
 
