@@ -30,6 +30,9 @@
 # SLIDING_WINDOW=N trains with that window in the decoder's sliding layers (default: the
 # preset's). VERDICT_WEIGHT=W weighs the unseen-tool verdict's tokens W times in the loss
 # (`--verdict-loss-weight`, default 1).
+# GROW_AFTER="1 3 5 7" first grows INIT_FROM by one decoder layer after each named layer
+# (`muse grow`: copies whose residual outputs are zero, so the stage starts from INIT_FROM's
+# function) into $WORK/grown, and the stage trains at that depth from there.
 # COMPILE=1 compiles the decoder layers (`--compile`: a minute or two of compiling, then
 # fewer, fused kernels a step).
 # A run longer than one command may last: STEPS=N fixes the schedule's length, MINUTES then
@@ -82,6 +85,14 @@ if [ "$ENCODER_MINUTES" != 0 ]; then
     fi
     # A resumed decoder stage keeps the encoder stage's clips (a run-defining argument).
     SPEECH_POOL="$WORK/encoders/speech_pool.npz"
+fi
+
+if [ -n "${GROW_AFTER:-}" ] && [ -z "${RESUME:-}" ]; then
+    rm -rf "$WORK/grown"
+    # shellcheck disable=SC2086  # the indices are separate arguments
+    "$PYTHON" -m muse.cli grow "${INIT_FROM:?GROW_AFTER grows INIT_FROM}" --output "$WORK/grown" \
+        --insert-after $GROW_AFTER 2>&1 | tee -a "$LOG"
+    INIT_FROM="$WORK/grown"
 fi
 
 TRAIN=("$PYTHON" -m muse.cli train pretrain --preset muse-spark-default --out "$MODEL"
