@@ -35,7 +35,7 @@ from muse.checkpoint.writer import (
 from muse.config import LAYER_TYPES, MODEL_TYPE, MuseSparkConfig
 
 GROW_RECORD = "grow.json"
-LAYER_NAME = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Files of the source that describe the source alone (its weights' history, its drafter).
 NOT_COPIED = ("drafter", GROW_RECORD, "average.json", "config.json")
 
@@ -110,16 +110,15 @@ def grow_checkpoint(source: str | Path, destination: str | Path, insert_after: S
     text = config.text_config
     plan = plan_growth(text.layer_types, insert_after, new_types)
     with CheckpointReader(source) as reader:
-        names = list(reader.names())
         by_layer: dict[int, list[str]] = {}
         specs, origin = [], {}
-        for name in names:
+        for name in reader.names():
             match = LAYER_NAME.match(name)
             if match is None:
                 specs.append(TensorSpec(name, reader.shape(name), reader.dtype(name)))
                 origin[name] = (name, "keep")
             else:
-                by_layer.setdefault(int(match.group(2)), []).append(match.group(3)[1:])
+                by_layer.setdefault(int(match.group(1)), []).append(match.group(2))
         missing = [index for index in range(text.num_hidden_layers) if index not in by_layer]
         if missing:
             raise ValueError(f"{source} holds no tensors of decoder layers {missing}")
@@ -135,8 +134,10 @@ def grow_checkpoint(source: str | Path, destination: str | Path, insert_after: S
         def produce(spec: TensorSpec) -> torch.Tensor:
             old, how = origin[spec.name]
             tensor = reader.get(old)
+            if how == "zero":
+                return torch.zeros_like(tensor)
             # A copy is its own tensor: safetensors refuses two names on one storage.
-            return {"zero": torch.zeros_like, "copy": torch.clone}.get(how, lambda t: t)(tensor)
+            return tensor.clone() if how == "copy" else tensor
 
         write_tensors(destination, specs, produce)
     grown = grown_config(config, plan)
