@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from muse.checkpoint import load_reference_model
+from muse.checkpoint import load_config, load_reference_model
+from muse.checkpoint.grow import grow_checkpoint
+from muse.init_checkpoint import init_random_checkpoint
 from muse.cli import main
 from muse.presets import get_preset
 from muse.train import memory, pretrain
@@ -101,6 +103,20 @@ def test_resuming_continues_exactly_where_the_run_stopped(tmp_path: Path) -> Non
     assert got["step"] == 5
     for name, tensor in expected["model"].items():
         torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=0)
+
+
+def test_a_run_from_a_grown_checkpoint_keeps_its_depth_when_resumed(tmp_path: Path) -> None:
+    source = init_random_checkpoint(get_preset("muse-spark-tiny"), tmp_path / "source", seed=5)
+    grow_checkpoint(source, tmp_path / "grown", [1, 4])  # 6 layers -> 8
+    out = tmp_path / "run"
+    _train(out, "--steps", "1", "--init-from", str(tmp_path / "grown"))
+    _train(out, "--steps", "2", "--resume")
+    state = torch.load(out / STATE_FILE, weights_only=False)
+    assert state["step"] == 2
+    assert load_config(out).text_config.num_hidden_layers == 8
+    assert "model.layers.7.self_attn.o_proj.weight" in state["model"]
+    # The new layers' zeroed outputs moved: the stage trains them.
+    assert not state["model"]["model.layers.2.self_attn.o_proj.weight"].eq(0).all()
 
 
 def test_resume_needs_a_saved_state(tmp_path: Path) -> None:
