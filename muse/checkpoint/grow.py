@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from muse.checkpoint.average import AVERAGE_RECORD
 from muse.checkpoint.configs import model_type_of, read_config_json
+from muse.checkpoint.layout import CONFIG_FILE, GENERATION_CONFIG_FILE
 from muse.checkpoint.reader import CheckpointReader
 from muse.checkpoint.writer import (
     TensorSpec,
@@ -32,12 +34,12 @@ from muse.checkpoint.writer import (
     write_generation_config,
     write_tensors,
 )
-from muse.config import LAYER_TYPES, MODEL_TYPE, MuseSparkConfig
+from muse.config import LAYER_TYPES, MODEL_TYPE, MuseSparkConfig, with_overrides
 
 GROW_RECORD = "grow.json"
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Files of the source that describe the source alone (its weights' history, its drafter).
-NOT_COPIED = ("drafter", GROW_RECORD, "average.json", "config.json")
+NOT_COPIED = ("drafter", GROW_RECORD, AVERAGE_RECORD, CONFIG_FILE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +73,12 @@ def plan_growth(layer_types: Sequence[str], insert_after: Sequence[int],
     kinds_after: dict[int, list[str]] = {}
     for index, kind in zip(insert_after, new_types):
         kinds_after.setdefault(index, []).append(kind)
-    sources, new, kinds = [], [], []
+    rows = []  # (source layer, new, kind) of each layer of the grown model
     for index, kind in enumerate(layer_types):
-        sources.append(index), new.append(False), kinds.append(kind)
-        for added in kinds_after.get(index, []):
-            sources.append(index), new.append(True), kinds.append(added)
-    return GrowPlan(tuple(sources), tuple(new), tuple(kinds))
+        rows.append((index, False, kind))
+        rows.extend((index, True, added) for added in kinds_after.get(index, []))
+    sources, new, kinds = zip(*rows)
+    return GrowPlan(sources, new, kinds)
 
 
 def writes_residual(suffix: str, has_unpooler: bool) -> bool:
@@ -88,12 +90,6 @@ def writes_residual(suffix: str, has_unpooler: bool) -> bool:
                   "mlp.unpooler.weight"):
         return True
     return suffix == "mlp.experts.down_proj" and not has_unpooler
-
-
-def grown_config(config: MuseSparkConfig, plan: GrowPlan) -> MuseSparkConfig:
-    text = dataclasses.replace(config.text_config, num_hidden_layers=len(plan.sources),
-                               layer_types=list(plan.layer_types))
-    return dataclasses.replace(config, text_config=text)
 
 
 def grow_checkpoint(source: str | Path, destination: str | Path, insert_after: Sequence[int],
@@ -140,10 +136,11 @@ def grow_checkpoint(source: str | Path, destination: str | Path, insert_after: S
             return tensor.clone() if how == "copy" else tensor
 
         write_tensors(destination, specs, produce)
-    grown = grown_config(config, plan)
+    grown = with_overrides(config, {"num_hidden_layers": len(plan.sources),
+                                    "layer_types": list(plan.layer_types)})
     grown.save(destination)
     copy_other_files(source, destination, skip=NOT_COPIED)
-    if not (destination / "generation_config.json").is_file():
+    if not (destination / GENERATION_CONFIG_FILE).is_file():
         write_generation_config(grown.text_config, destination)
     record = {"source": str(source), "insert_after": sorted(insert_after),
               "layers": [{"source_layer": index, "new": is_new, "layer_type": kind}

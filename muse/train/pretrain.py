@@ -27,8 +27,7 @@ from typing import IO, Any
 import torch
 import torch.nn.functional as F
 
-from muse.checkpoint import ASSETS_DIR, load_weights, save_checkpoint
-from muse.checkpoint.configs import read_config_json
+from muse.checkpoint import ASSETS_DIR, load_config, load_weights, save_checkpoint
 from muse.config import MuseSparkConfig, with_overrides
 from muse.info import text_parameters
 from muse.multimodal.engine_inputs import has_encoders
@@ -119,7 +118,7 @@ def training_config(preset: str, depth_from: str | Path | None) -> MuseSparkConf
     config = get_preset(preset)
     if depth_from is None:
         return config
-    text = MuseSparkConfig.from_dict(read_config_json(depth_from)).text_config
+    text = load_config(depth_from).text_config
     return with_overrides(config, {"num_hidden_layers": text.num_hidden_layers,
                                    "layer_types": list(text.layer_types)})
 
