@@ -150,4 +150,3 @@ def test_cli_writes_the_record_and_leaves_the_drafter_out(source, tmp_path) -> N
         assert (out / name).read_bytes() == (source / name).read_bytes()
     with pytest.raises(ValueError, match="another folder"):
         grow_checkpoint(source, source, [0])
-

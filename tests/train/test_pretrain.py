@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from muse.checkpoint import load_config, load_reference_model
 from muse.checkpoint.grow import grow_checkpoint
-from muse.init_checkpoint import init_random_checkpoint
 from muse.cli import main
+from muse.init_checkpoint import init_random_checkpoint
 from muse.presets import get_preset
 from muse.train import memory, pretrain
 from muse.train.data.conversations import TEXT_TASKS
