@@ -38,8 +38,7 @@ def test_generators_are_deterministic_per_seed() -> None:
 def test_every_task_appears() -> None:
     assert {c.task for c in _conversations(0, 200)} == {task.name for task in TEXT_TASKS}
     rng = random.Random(0)
-    tasks = conversation_tasks(vision=True, speech_pool=NoiseSpeechPool(),
-                               weights={"name_lookup": 0.1})
+    tasks = conversation_tasks(vision=True, speech_pool=NoiseSpeechPool())
     conversations = [sample_conversation(rng, TRAIN, tasks) for _ in range(200)]
     assert {c.task for c in conversations} == set(TASK_NAMES)
     for conversation in conversations:

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from muse.train.data import (arithmetic, instructions, name_lookup, natural_tools, tools,
-                             unseen_tools, vision_tasks)
+from muse.train.data import (arithmetic, instructions, natural_tools, tools, unseen_tools,
+                             vision_tasks)
 from muse.train.data.split import TRAIN, split_items
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are Muse, a small assistant. Be brief.",
@@ -197,12 +197,6 @@ def video_conversation(rng: random.Random, split: str) -> Conversation:
                         media={"video": [(case.frames[keep], timestamps)]})
 
 
-def name_lookup_conversation(rng: random.Random, split: str) -> Conversation:
-    """Names looked up in a list, as the unseen-tool reasoning narrows its tools."""
-    case = name_lookup.sample_case(rng, split)
-    return Conversation("name_lookup", _system(rng) + name_lookup.exchange(case))
-
-
 def audio_conversation(rng: random.Random, split: str, pool: Any) -> Conversation:
     """A spoken number, word or sum drawn from `pool` (a `speech.SpeechPool`)."""
     case = pool.sample_case(rng)
@@ -222,11 +216,8 @@ TEXT_TASKS: list[Task] = [
 IMAGE_TASK = Task("image", 0.22, image_conversation)
 VIDEO_TASK = Task("video", 0.1, video_conversation)
 AUDIO_WEIGHT = 0.13
-# Off unless named in `weights`: the name lookups alone (docs/training.md, run 27's probes).
-NAME_LOOKUP_TASK = Task("name_lookup", 0.0, name_lookup_conversation)
 # Every task name, in a fixed order: training logs a loss per name.
-TASK_NAMES: tuple[str, ...] = (*(task.name for task in TEXT_TASKS), "image", "video", "audio",
-                               "name_lookup")
+TASK_NAMES: tuple[str, ...] = (*(task.name for task in TEXT_TASKS), "image", "video", "audio")
 
 
 def conversation_tasks(vision: bool = False, speech_pool: Any = None,
@@ -238,7 +229,6 @@ def conversation_tasks(vision: bool = False, speech_pool: Any = None,
         tasks += [IMAGE_TASK, VIDEO_TASK]
     if speech_pool is not None:
         tasks.append(Task("audio", AUDIO_WEIGHT, partial(audio_conversation, pool=speech_pool)))
-    tasks.append(NAME_LOOKUP_TASK)
     weights = weights or {}
     unknown = sorted(set(weights) - set(TASK_NAMES))
     if unknown:

@@ -347,13 +347,10 @@ def quoted(name: str) -> str:
 def offered_names(names: Sequence[str]) -> str:
     """The offered tools' names in order: 'The tools are "a", "b" and "c".' or 'The tool is
     "a".'."""
-    return f"The tool is {listed(names)}." if len(names) == 1 else f"The tools are {listed(names)}."
-
-
-def listed(names: Sequence[str]) -> str:
-    """Quoted names joined as a sentence lists them: '"a"', '"a" and "b"', '"a", "b" and "c"'."""
     written = [quoted(name) for name in names]
-    return written[0] if len(written) == 1 else f"{', '.join(written[:-1])} and {written[-1]}"
+    if len(written) == 1:
+        return f"The tool is {written[0]}."
+    return f"The tools are {', '.join(written[:-1])} and {written[-1]}."
 
 
 def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str, Any]:

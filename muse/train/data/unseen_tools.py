@@ -57,8 +57,8 @@ from typing import Any
 
 from muse.tokenizer import MuseTokenizer
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
-from muse.train.data.tools import (asks, asks_for, function_schema, listed, none_can,
-                                   offered_names, quoted, will_call)
+from muse.train.data.tools import (asks, asks_for, function_schema, none_can, offered_names,
+                                   quoted, will_call)
 
 KINDS = ("call", "choose", "no_tool")
 # Training words drawn as made-up, pieced or common words rather than from the word lists.
@@ -767,29 +767,9 @@ def reasoning(case: UnseenToolCase) -> str:
     names = offered_names([tool.name for tool in case.offered])
     # Lookups are 30% of the cases: restated "to get the order status", they taught the
     # model to restate any request with "get" ("Start a timer" -> "get the timer", run 11).
-    if case.restated or case.lookup:
-        asked = case.restated or asks_for(f"the {case.requested.noun}")
-        return f"{asked} {names} {verdict(case)}"
-    asked = asks(case.declined or case.requested.action)
-    return f"{asked} {names} {narrowed(case)} {verdict(case)}"
-
-
-def narrowed(case: UnseenToolCase) -> str:
-    """The offered tools narrowed by the name the action would have, first by its verb, then
-    by the whole name: 'Those named "fetch_...": "fetch_kiosk" and "fetch_vault".
-    "fetch_vault" is among them.', or 'Those named "fetch_...": none.'. Each step looks for
-    the tokens of a name's start among names written just before, rather than weighing whole
-    names that share words with the request (a tool of another verb that takes the request's
-    arguments or names its object, which the model called: docs/training.md)."""
-    wanted = case.requested.name
-    prefix = case.requested.verb.replace(" ", "_") + "_"
-    same_verb = [tool.name for tool in case.offered if tool.name.startswith(prefix)]
-    named = f"Those named {quoted(prefix + '...')}:"
-    if not same_verb:
-        return f"{named} none."
-    among = "among" if wanted in same_verb else "not among"
-    return f"{named} {listed(same_verb)}. {quoted(wanted)} is {among} them."
-
+    asked = case.restated or (asks_for(f"the {case.requested.noun}") if case.lookup
+                              else asks(case.declined or case.requested.action))
+    return f"{asked} {names} {verdict(case)}"
 
 
 def verdict(case: UnseenToolCase) -> str:
