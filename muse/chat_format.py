@@ -84,8 +84,7 @@ SPECIAL_TOKEN_IDS: dict[str, int] = {token: index for index, token in enumerate(
 STOP_TOKEN_IDS: tuple[int, ...] = (END_OF_TURN_ID, EOS_ID)
 
 TOOLS_INSTRUCTION = (
-    "You can call the tools below, one per line: its name in words, then its JSON schema. "
-    "To call one, write "
+    "You can call the tools below, one JSON schema per line. To call one, write "
     '<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.'
 )
 
@@ -119,9 +118,7 @@ CHAT_TEMPLATE = (
     + TOOLS_INSTRUCTION.replace("'", "\\'")
     + """' -}}
     {%- for tool in tools -%}
-        {%- set function = tool.function if tool.function is defined else tool -%}
-        {{- '\\n- ' + function.name | replace('_', ' ') | replace('-', ' ') | lower + ': '
-            + tool | tojson -}}
+        {{- '\\n' + tool | tojson -}}
     {%- endfor -%}
 {%- endmacro -%}
 {{- '<|bos|>' -}}

@@ -85,8 +85,7 @@ def test_generation_prompt_with_and_without_thinking() -> None:
 def test_tools_block_is_appended_to_system_turn() -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
     assert render(messages, tools=[WEATHER_TOOL]) == (
-        "<|bos|><|system|>Be brief.\n\n" + TOOLS_INSTRUCTION + "\n- get weather: " + WEATHER_TOOL_JSON
-        + "<|end|>\n"
+        "<|bos|><|system|>Be brief.\n\n" + TOOLS_INSTRUCTION + "\n" + WEATHER_TOOL_JSON + "<|end|>\n"
         "<|user|>Weather?<|end|>\n"
     )
 
@@ -95,7 +94,7 @@ def test_tools_without_system_message_create_a_system_turn() -> None:
     second_tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
     rendered = render([{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL, second_tool])
     assert rendered == (
-        "<|bos|><|system|>" + TOOLS_INSTRUCTION + "\n- get weather: " + WEATHER_TOOL_JSON + "\n- now: "
+        "<|bos|><|system|>" + TOOLS_INSTRUCTION + "\n" + WEATHER_TOOL_JSON + "\n"
         '{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}<|end|>\n'
         "<|user|>Weather?<|end|>\n"
     )

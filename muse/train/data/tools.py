@@ -344,22 +344,13 @@ def quoted(name: str) -> str:
     return f'"{name}"'
 
 
-def name_words(name: str) -> str:
-    """A tool's name as the chat template writes it before the tool's schema (`fetch remote
-    kiosk` for `fetch_remote_kiosk`). After a space the tokenizer cuts a word as it cuts the
-    request's words (` remo` `te`), while inside a name it cuts it otherwise (`_re` `mote`):
-    written in words, the offered tools meet the request in the same tokens, so the reasoning
-    compares equal runs of tokens instead of two spellings of one word."""
-    return name.replace("_", " ").replace("-", " ").lower()
-
-
 def offered_names(names: Sequence[str]) -> str:
-    """The offered tools in order, as the template writes their names in words: 'The tools
-    can a, b and c.' or 'The tool can a.'; the verdict then quotes the name it calls."""
-    written = [name_words(name) for name in names]
+    """The offered tools' names in order: 'The tools are "a", "b" and "c".' or 'The tool is
+    "a".'."""
+    written = [quoted(name) for name in names]
     if len(written) == 1:
-        return f"The tool can {written[0]}."
-    return f"The tools can {', '.join(written[:-1])} and {written[-1]}."
+        return f"The tool is {written[0]}."
+    return f"The tools are {', '.join(written[:-1])} and {written[-1]}."
 
 
 def call_message(case: ToolCase, offered: Sequence[dict[str, Any]]) -> dict[str, Any]:
