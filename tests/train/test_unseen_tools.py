@@ -360,6 +360,33 @@ def test_training_requests_hold_no_held_out_phrasing() -> None:
                for part in parts)
 
 
+def test_some_lead_ins_are_words_training_never_uses_before_an_action(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unknown words before the action ("trealon stick and scan the locker") teach where an
+    action starts from its own shape; none holds a held-out template's words."""
+    rng = random.Random(29)
+    lead_ins = [unseen_tools.unknown_lead_in(rng) for _ in range(2000)]
+    assert len(set(lead_ins)) > 1900
+    held_out = [before for before, _ in _held_out_texts()]
+    for lead_in in lead_ins:
+        assert lead_in.endswith((" and", ",", " to")), lead_in
+        assert not any(before in lead_in.lower() for before in held_out), lead_in
+    drawn: list[str] = []
+
+    def recorded(rng: random.Random) -> str:
+        drawn.append(unknown_lead_in(rng))
+        return drawn[-1]
+
+    unknown_lead_in = unseen_tools.unknown_lead_in
+    monkeypatch.setattr(unseen_tools, "unknown_lead_in", recorded)
+    for _ in range(2000):
+        count = len(drawn)
+        request = unseen_tools.composed_request(rng, "scan the locker", "code 5")
+        if len(drawn) > count:
+            assert f"{drawn[-1]} scan the locker".lower() in request.lower(), request
+    assert 0.04 < len(drawn) / 2000 < 0.25, len(drawn)
+
+
 def test_composed_requests_keep_the_action_verbatim_and_the_arguments() -> None:
     rng = random.Random(23)
     for _ in range(500):

@@ -18,7 +18,8 @@ phrasings would teach where the action starts in each of them, and a held-out ph
 gets its own words copied as the action ("The user asks to ahead and ..."): so training builds
 half its requests from parts (`composed_request`: an optional opener, one of many lead-ins or
 none, the action, an argument introducer, the argument phrases, an ending and an optional
-closer), hundreds of shapes, none holding a held-out phrasing's text around the action.
+closer), hundreds of shapes, none holding a held-out phrasing's text around the action; some
+lead-ins are unknown words (`unknown_lead_in`), so the action is found by its own shape.
 Users also start a request with its verb ("Book a table for four") and say "a" or "my" where
 the generated actions said "the": training words half its actions with other determiners
 and starts some requests with the capitalized action (held-out cases are as they were).
@@ -167,6 +168,13 @@ QUESTION_SHARE = 0.3
 # Of bare imperatives whose verb is a real word: the action starts the request, capitalized
 # ("Book a table for ...", as users write), and the reasoning writes it in lower case.
 LEADING_ACTION_SHARE = 0.7
+# Of composed requests' lead-ins: one of unknown words ("Vostra plenk and ..."), so that the
+# action is found by its own shape, a verb before its determiner, and not by the lead-ins
+# training knows (runs 27 and 30 restated held-out "Let's pause the badge" as "let's pause
+# the badge" and "Go ahead and check ..." as "the gohead").
+UNKNOWN_LEAD_IN_SHARE = 0.25
+UNKNOWN_LEAD_IN_SHAPES = ("{0} and", "{0} {1} and", "{0} {1},", "{0}, {1},", "{0} to",
+                          "{0} {1} to", "{0} {1} {2} and", "{0} {1} {2},")
 # No part holds a held-out template's text around `{action}` ("Go ahead and ", "I need you
 # to ", "Let's ", or ": ", " (", ". Set " right after it), so held-out phrasings stay unseen.
 # An opener that ends a sentence makes the next word a capital; the others run into it.
@@ -604,7 +612,8 @@ def composed_request(rng: random.Random, action: str, arguments: str,
         # Otherwise a bare imperative takes an opener that runs into it.
         opener, lead_in = rng.choice(RUN_ON_OPENERS), ""
     else:
-        lead_in = rng.choice(QUESTION_LEAD_INS if question else LEAD_INS)
+        lead_in = (unknown_lead_in(rng) if not question and rng.random() < UNKNOWN_LEAD_IN_SHARE
+                   else rng.choice(QUESTION_LEAD_INS if question else LEAD_INS))
         opener = rng.choice(OPENERS + RUN_ON_OPENERS) if rng.random() < OPENER_SHARE else ""
     sentence = f"{lead_in} {action}" if lead_in else action
     if not opener or opener[-1] in ".!?":
@@ -614,6 +623,25 @@ def composed_request(rng: random.Random, action: str, arguments: str,
     tail = rng.choice(ARGUMENT_INTRODUCERS).format(arguments=arguments, end=end)
     closer = rng.choice(CLOSERS).format(person=person) if rng.random() < CLOSER_SHARE else ""
     return f"{start}{tail}{closer}"
+
+
+def unknown_lead_in(rng: random.Random) -> str:
+    """A lead-in of words no request template or lead-in holds, made up, pieced or everyday
+    ("trealon stick and", "ouck, paper to"), never one holding a held-out template's text
+    before its action."""
+    while True:
+        words = [rng.choice((made_up_word, piece_word))(rng) if rng.random() < 0.7
+                 else rng.choice(_common_word_list()) for _ in range(3)]
+        lead_in = rng.choice(UNKNOWN_LEAD_IN_SHAPES).format(*words)
+        if not any(before in f" {lead_in.lower()} " for before in _held_out_lead_ins()):
+            return lead_in
+
+
+@functools.cache
+def _held_out_lead_ins() -> tuple[str, ...]:
+    """The held-out request templates' words before the action, each between spaces."""
+    return tuple(f" {template.split('{action}')[0].strip().lower()} "
+                 for template in split_items(REQUEST_TEMPLATES, HELD_OUT))
 
 
 def result_value(rng: random.Random) -> Any:
