@@ -208,6 +208,19 @@ def test_training_near_misses_include_another_qualifier_of_the_same_verb_and_nou
         assert len(set(pairs)) == len(pairs)
 
 
+def test_training_distractors_share_the_targets_verb_more_often_than_held_out_ones() -> None:
+    """A verdict that reads only the verb must be wrong often in training: nearly half the
+    training distractors have the target's verb (the qualifier misses among them), against a
+    quarter of held-out ones, which stay as they were."""
+    def verb_share(split: str) -> float:
+        pairs = [(case.requested, tool) for case in _cases(31, 600, split, "no_tool")
+                 for tool in case.offered if not case.lookup]
+        return sum(tool.verb == target.verb for target, tool in pairs) / len(pairs)
+
+    assert 0.38 < verb_share(TRAIN) < 0.55
+    assert 0.2 < verb_share(HELD_OUT) < 0.36
+
+
 def test_training_distractors_often_take_the_targets_argument_names() -> None:
     """The action, not the arguments the user names, must pick the tool: about half the
     training distractors take some of the target's argument names or their relatives (the
