@@ -42,7 +42,7 @@ def test_the_label_map_covers_exactly_the_drawn_shapes() -> None:
         for shape in scene.shapes:
             pixels = image[labels == vision_tasks.shape_class(shape.kind, shape.colour)]
             assert len(pixels) > 100
-            assert (pixels == vision_tasks.COLOURS[shape.colour]).all()
+            assert (pixels == shape.rgb).all()
         if scene.text is not None:
             text = image[labels == vision_tasks.text_class(scene.text)]
             # The antialiased strokes: never white, mostly dark.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import re
 
@@ -14,13 +16,17 @@ from muse.train.data import vision_tasks
 from muse.train.data.question_parts import NEAR_DUPLICATE_SHARE, composed_questions
 from muse.train.data.split import HELD_OUT, TRAIN, split_items
 from muse.train.data.vision_tasks import (COLOURS, IMAGE_KINDS, IMAGE_QUESTIONS, POSITIONS,
-                                          VIDEO_KINDS, VIDEO_QUESTIONS, describe,
+                                          VIDEO_KINDS, VIDEO_QUESTIONS, Shape, describe,
                                           sample_image_case, sample_scene, sample_video_case)
 
 
-def _colour_masks(pixels: np.ndarray) -> dict[str, np.ndarray]:
-    """Where each palette colour is, exactly (shapes are drawn without antialiasing)."""
-    masks = {name: np.all(pixels == rgb, axis=-1) for name, rgb in COLOURS.items()}
+def _colour_masks(pixels: np.ndarray, shapes: tuple[Shape, ...] = ()) -> dict[str, np.ndarray]:
+    """Where each palette colour, or the shade `shapes` give its name, is, exactly (shapes are
+    drawn without antialiasing)."""
+    fills = [*COLOURS.items(), *((shape.colour, shape.rgb) for shape in shapes)]
+    masks: dict[str, np.ndarray] = {}
+    for name, rgb in fills:
+        masks[name] = masks.get(name, False) | np.all(pixels == rgb, axis=-1)
     return {name: mask for name, mask in masks.items() if mask.any()}
 
 
@@ -106,7 +112,7 @@ def test_a_lone_shape_has_the_answered_colour(kind: str) -> None:
     rng = random.Random(7)
     for _ in range(40):
         case = sample_image_case(rng, TRAIN, kind)
-        masks = _colour_masks(np.asarray(case.image))
+        masks = _colour_masks(np.asarray(case.image), case.scene.shapes)
         (shape,) = case.scene.shapes
         assert list(masks) == [shape.colour]
         assert case.answer == (shape.colour if kind == "colour" else shape.kind)
@@ -117,7 +123,7 @@ def test_counts_and_positions_match_the_pixels() -> None:
     for kind in ("count", "position"):
         for _ in range(40):
             case = sample_image_case(rng, TRAIN, kind)
-            masks = _colour_masks(np.asarray(case.image))
+            masks = _colour_masks(np.asarray(case.image), case.scene.shapes)
             blobs = sum(ndimage.label(mask)[1] for mask in masks.values())
             assert blobs == len(case.scene.shapes)
             if kind == "count":
@@ -237,3 +243,28 @@ def test_lone_shapes_are_sometimes_located_without_being_named() -> None:
     rng = random.Random(25)
     held_out = [vision_tasks.sample_image_case(rng, HELD_OUT, "position") for _ in range(100)]
     assert all(case.target.colour in case.question for case in held_out)
+
+
+def test_training_fills_half_its_shapes_with_other_shades_of_their_colour() -> None:
+    """Users' pictures use Pillow's named colours; training draws half its shapes in one of
+    COLOUR_SHADES (jittered), held-out pictures keep the palette."""
+    rng = random.Random(12)
+    shapes = [shape for _ in range(300)
+              for shape in sample_scene(rng, TRAIN, rng.randint(1, 5), False).shapes]
+    shaded = [shape for shape in shapes if shape.fill is not None]
+    assert 0.4 < len(shaded) / len(shapes) < 0.6
+    for shape in shaded:
+        assert any(max(abs(a - b) for a, b in zip(shape.rgb, base)) <= vision_tasks.SHADE_JITTER
+                   for base in vision_tasks.COLOUR_SHADES[shape.colour])
+    assert {shape.colour for shape in shaded} == set(COLOURS)
+    held_out = [shape for _ in range(100)
+                for shape in sample_scene(rng, HELD_OUT, rng.randint(1, 5), False).shapes]
+    assert all(shape.rgb == COLOURS[shape.colour] for shape in held_out)
+
+
+def test_the_shades_of_two_colours_never_meet_even_jittered() -> None:
+    jitter_reach = 2 * math.sqrt(3) * vision_tasks.SHADE_JITTER
+    shades = {name: [COLOURS[name], *vision_tasks.COLOUR_SHADES[name]] for name in COLOURS}
+    for first, second in itertools.combinations(shades, 2):
+        closest = min(math.dist(a, b) for a in shades[first] for b in shades[second])
+        assert closest > jitter_reach, (first, second)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,26 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "yellow": (240, 210, 30), "orange": (245, 140, 20), "purple": (140, 50, 190),
     "pink": (240, 120, 180), "brown": (130, 80, 40),
 }
+# Other shades a user's picture gives each colour's name: Pillow's (CSS) named colours of that
+# name and its near relatives ("pink" is (255, 192, 203), "brown" (165, 42, 42)). A model
+# that saw only the palette above read Pillow's brown as red and misread the shape of
+# anything in its light pink. Training fills half its shapes with one of these, a little
+# jittered (SHADE_SHARE, SHADE_JITTER); held-out pictures keep the palette, so figures stay
+# comparable.
+COLOUR_SHADES: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "red": ((255, 0, 0), (220, 20, 60), (200, 16, 16), (238, 44, 44)),
+    "green": ((0, 128, 0), (0, 255, 0), (34, 139, 34), (50, 205, 50), (46, 139, 87),
+              (0, 100, 0)),
+    "blue": ((0, 0, 255), (65, 105, 225), (0, 0, 205), (30, 144, 255), (0, 0, 139)),
+    "yellow": ((255, 255, 0), (255, 215, 0), (250, 250, 110)),
+    "orange": ((255, 165, 0), (255, 140, 0), (255, 117, 24)),
+    "purple": ((128, 0, 128), (102, 51, 153), (148, 0, 211), (138, 43, 226), (147, 112, 219)),
+    "pink": ((255, 192, 203), (255, 105, 180), (255, 182, 193), (255, 20, 147),
+             (219, 112, 147)),
+    "brown": ((165, 42, 42), (139, 69, 19), (160, 82, 45), (101, 67, 33), (150, 75, 0)),
+}
+SHADE_SHARE = 0.5
+SHADE_JITTER = 12
 SHAPES = ("circle", "square", "triangle", "star", "diamond", "hexagon")
 # Grid cells by (row, column).
 POSITIONS = {(0, 0): "top left", (0, 1): "top", (0, 2): "top right",
@@ -134,10 +154,15 @@ class Shape:
     cell: tuple[int, int]  # (row, column) in the 3x3 grid
     center: tuple[int, int]  # (x, y) in pixels
     radius: int
+    fill: tuple[int, int, int] | None = None  # a shade of `colour`; None: its palette value
 
     @property
     def position(self) -> str:
         return POSITIONS[self.cell]
+
+    @property
+    def rgb(self) -> tuple[int, int, int]:
+        return self.fill or COLOURS[self.colour]
 
 
 @dataclass(frozen=True)
@@ -230,8 +255,8 @@ def _outline(kind: str, center: tuple[float, float], radius: float) -> list[tupl
     return points
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, fill: tuple[int, int, int] | int,
-                center: tuple[float, float], radius: float) -> None:
+def draw_shape(draw: ImageDraw.ImageDraw, kind: str, fill: tuple[int, int, int] | int | str,
+               center: tuple[float, float], radius: float) -> None:
     if kind == "circle":
         x, y = center
         draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=fill)
@@ -259,7 +284,7 @@ def draw_scene(scene: Scene) -> Image.Image:
     image = Image.new("RGB", (scene.size, scene.size), BACKGROUND)
     draw = ImageDraw.Draw(image)
     for shape in scene.shapes:
-        _draw_shape(draw, shape.kind, COLOURS[shape.colour], shape.center, shape.radius)
+        draw_shape(draw, shape.kind, shape.rgb, shape.center, shape.radius)
     _draw_text(draw, scene, TEXT_COLOUR)
     return image
 
@@ -286,7 +311,7 @@ def label_map(scene: Scene) -> np.ndarray:
     labels = Image.new("L", (scene.size, scene.size), BACKGROUND_CLASS)
     draw = ImageDraw.Draw(labels)
     for shape in scene.shapes:
-        _draw_shape(draw, shape.kind, shape_class(shape.kind, shape.colour), shape.center,
+        draw_shape(draw, shape.kind, shape_class(shape.kind, shape.colour), shape.center,
                     shape.radius)
     result = np.asarray(labels).copy()
     if scene.text is not None:
@@ -327,11 +352,21 @@ def sample_scene(rng: random.Random, split: str, shape_count: int, with_text: bo
     if split == TRAIN and shape_count == 1 and not with_text \
             and rng.random() < LARGE_SHAPE_SHARE:
         shapes = [_large_shape(rng, shapes[0].kind, shapes[0].colour, size)]
+    if split == TRAIN:
+        shapes = [replace(shape, fill=shade(rng, shape.colour))
+                  if rng.random() < SHADE_SHARE else shape for shape in shapes]
     text = None
     if with_text:
         text = str(rng.randint(0, 9)) if rng.random() < 0.5 else rng.choice(
             split_items(WORDS, split))
     return Scene(tuple(shapes), text, cells[-1] if with_text else None, size)
+
+
+def shade(rng: random.Random, colour: str) -> tuple[int, int, int]:
+    """One of COLOUR_SHADES[colour], each channel moved by up to SHADE_JITTER."""
+    base = rng.choice(COLOUR_SHADES[colour])
+    return tuple(min(255, max(0, value + rng.randint(-SHADE_JITTER, SHADE_JITTER)))
+                 for value in base)
 
 
 def _large_shape(rng: random.Random, kind: str, colour: str, size: int) -> Shape:
@@ -381,7 +416,7 @@ def draw_video(shape: str, colour: str, direction: str, start: tuple[int, int], 
     for index in range(frames):
         image = Image.new("RGB", (size, size), BACKGROUND)
         center = (start[0] + dx * step * index, start[1] + dy * step * index)
-        _draw_shape(ImageDraw.Draw(image), shape, COLOURS[colour], center, radius)
+        draw_shape(ImageDraw.Draw(image), shape, COLOURS[colour], center, radius)
         video[index] = np.asarray(image)
     return video
 
