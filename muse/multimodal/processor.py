@@ -194,9 +194,34 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
         else:
             new_width -= factor
     if new_height * new_width < min_pixels:
-        raise ProcessorError(f"no size with sides multiples of {factor} near {height}x{width} "
-                             f"has an area in [{min_pixels}, {max_pixels}]; widen the range")
+        # A narrow range (a video's frames at exactly 112^2) that flooring both sides missed:
+        # a 240x320 frame floors to 84x112, below it.
+        return closest_allowed_size(height, width, factor, min_pixels, max_pixels)
     return new_height, new_width
+
+
+def closest_allowed_size(height: int, width: int, factor: int, min_pixels: int,
+                         max_pixels: int) -> tuple[int, int]:
+    """Of the sizes with sides multiples of `factor` and an area in [min_pixels, max_pixels],
+    the one whose aspect ratio is closest to height x width's (the larger on a tie)."""
+    cell = factor * factor
+    fewest, most = math.ceil(min_pixels / cell), max_pixels // cell
+    aspect = math.log(height / width)
+    best: tuple[tuple[float, int], int, int] | None = None
+    for rows in range(1, most + 1):
+        low, high = max(1, math.ceil(fewest / rows)), most // rows
+        if low > high:
+            continue
+        ideal = rows * width / height  # the columns that keep the aspect ratio
+        for columns in {min(max(low, math.floor(ideal)), high),
+                        min(max(low, math.ceil(ideal)), high)}:
+            key = (abs(math.log(rows / columns) - aspect), -rows * columns)
+            if best is None or key < best[0]:
+                best = (key, rows, columns)
+    if best is None:
+        raise ProcessorError(f"no size with sides multiples of {factor} has an area in "
+                             f"[{min_pixels}, {max_pixels}]; widen the range")
+    return best[1] * factor, best[2] * factor
 
 
 @dataclass

@@ -32,9 +32,10 @@ from muse.multimodal.processor import (
     MuseSparkProcessor,
     ProcessorConfig,
     ProcessorError,
+    closest_allowed_size,
     smart_resize,
 )
-from muse.presets import tiny
+from muse.presets import SHIPPED_CHECKPOINT, tiny
 from muse.tokenizer import MuseTokenizer
 
 MODEL = tiny()
@@ -119,6 +120,36 @@ def test_smart_resize_tiny_huge_and_extreme_images() -> None:
         smart_resize(1, 201, FACTOR, config.min_pixels, config.max_pixels)
     with pytest.raises(ProcessorError, match="at least one pixel"):
         smart_resize(0, 10, FACTOR, config.min_pixels, config.max_pixels)
+
+
+def test_a_narrow_pixel_range_still_takes_any_aspect_ratio() -> None:
+    """Video frames at exactly 112^2 (the shipped model's setting): flooring a 4:3 frame's
+    sides gives 84x112, below the range; the closest allowed shape is taken instead."""
+    exactly = 16 * FACTOR * FACTOR
+    for height, width in ((240, 320), (480, 640), (720, 1280), (1080, 1920), (300, 200)):
+        assert check_size(height, width, exactly, exactly) == (112, 112)
+    assert check_size(100, 1000, exactly, exactly) == (28, 448)  # 1:10, the closest is 1:16
+    # Among the allowed sizes the one nearest the aspect ratio (3x5 cells for 2:3: 4x6 is
+    # too large), the larger on a tie (4x4 of the exact squares).
+    assert closest_allowed_size(200, 300, FACTOR, 12 * FACTOR * FACTOR,
+                                20 * FACTOR * FACTOR) == (84, 140)
+    assert closest_allowed_size(100, 100, FACTOR, FACTOR * FACTOR,
+                                20 * FACTOR * FACTOR) == (112, 112)
+    rng = random.Random(1)
+    for _ in range(300):
+        height, width = rng.randint(20, 3000), rng.randint(20, 3000)
+        if max(height, width) / min(height, width) <= 8:
+            check_size(height, width, exactly, 2 * exactly)
+
+
+@pytest.mark.skipif(not (SHIPPED_CHECKPOINT / "config.json").is_file(),
+                    reason="needs the shipped checkpoint")
+def test_the_shipped_processor_takes_videos_of_any_aspect_ratio(
+        tokenizer: MuseTokenizer) -> None:
+    processor = MuseSparkProcessor.from_pretrained(SHIPPED_CHECKPOINT, tokenizer)
+    for height, width in ((240, 320), (720, 1280), (96, 96)):
+        frames, _ = processor.preprocess_video(random_video(4, height, width))
+        assert frames.shape[-2:] == (112, 112)
 
 
 def test_image_is_resized_and_normalized(processor: MuseSparkProcessor) -> None:
