@@ -385,12 +385,12 @@ def test_some_lead_ins_are_words_training_never_uses_before_an_action(
         assert lead_in.endswith((" and", ",", " to")), lead_in
         assert not any(before in lead_in.lower() for before in held_out), lead_in
     drawn: list[str] = []
+    original = unseen_tools.unknown_lead_in
 
     def recorded(rng: random.Random) -> str:
-        drawn.append(unknown_lead_in(rng))
+        drawn.append(original(rng))
         return drawn[-1]
 
-    unknown_lead_in = unseen_tools.unknown_lead_in
     monkeypatch.setattr(unseen_tools, "unknown_lead_in", recorded)
     for _ in range(2000):
         count = len(drawn)

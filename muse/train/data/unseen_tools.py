@@ -673,10 +673,11 @@ def _distinct(tool: Tool, others: list[Tool], split: str, lookup: bool) -> bool:
 
 def _distractor(rng: random.Random, split: str, target: Tool) -> Tool:
     """A random tool, half the time sharing the target's verb or noun (a near miss; in
-    training more often its verb, VERB_MISS_SHARE); in training, for a target with a qualifier, sometimes one that differs from it only there
-    (QUALIFIER_MISS_SHARE), so that the choice reads every word of a name, and often one
-    that takes some of the target's argument names (ARGUMENT_MISS_SHARE), so that it is the
-    action, not the arguments the user names, that picks the tool."""
+    training more often its verb, VERB_MISS_SHARE); in training, for a target with a
+    qualifier, sometimes one that differs from it only there (QUALIFIER_MISS_SHARE), so
+    that the choice reads every word of a name, and often one that takes some of the
+    target's argument names (ARGUMENT_MISS_SHARE), so that it is the action, not the
+    arguments the user names, that picks the tool."""
     if split == TRAIN and target.qualifier and rng.random() < QUALIFIER_MISS_SHARE:
         tool = random_tool(rng, split, verb=target.verb, noun=target.noun,
                            qualifier=_word(rng, QUALIFIERS, split))

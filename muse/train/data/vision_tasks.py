@@ -312,7 +312,7 @@ def label_map(scene: Scene) -> np.ndarray:
     draw = ImageDraw.Draw(labels)
     for shape in scene.shapes:
         draw_shape(draw, shape.kind, shape_class(shape.kind, shape.colour), shape.center,
-                    shape.radius)
+                   shape.radius)
     result = np.asarray(labels).copy()
     if scene.text is not None:
         mask = Image.new("1", (scene.size, scene.size), 0)
