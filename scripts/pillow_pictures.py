@@ -1,10 +1,11 @@
 """A model on pictures drawn as a user draws them with Pillow: the colour named the way
 Pillow names it (`fill="brown"` is (165, 42, 42), not the training palette's brown), other
-picture sizes, a light grey background, a small shape. Each picture holds one shape; the
-model is asked its colour and its kind, greedily, and a reply is right when its content is
+picture sizes, a light grey background, a small shape. The model is asked the colour and
+the kind of one shape in the middle, and how many shapes a picture of one to five placed
+anywhere (not on the training grid) holds, greedily; a reply is right when its content is
 the answer (case, spaces and a final period ignored).
 
-    python scripts/pillow_pictures.py MODEL [--json OUT] [--variants NAME,...]
+    python scripts/pillow_pictures.py MODEL [--json OUT] [--variants NAME,...] [--counts 8]
 
 Prints right / asked per variant and question, then every miss (variant, question, answer,
 reply, the other attribute of the shape).
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -42,42 +45,75 @@ VARIANTS = {
     "Pillow names on light grey": Variant((224, 224), (235, 235, 235), True),
     "Pillow names small shape": Variant((224, 224), "white", True, 0.1),
 }
-QUESTIONS = {"colour": "What color is the shape?", "shape": "What shape is this?"}
+QUESTIONS = {"colour": "What color is the shape?", "shape": "What shape is this?",
+             "count": "How many shapes are there?"}
+MOST_SHAPES = 5
+
+
+def _fill(variant: Variant, colour: str) -> str | tuple[int, int, int]:
+    return colour if variant.pillow_names else vision_tasks.COLOURS[colour]
 
 
 def picture(variant: Variant, kind: str, colour: str) -> Image.Image:
+    """One shape in the middle."""
     image = Image.new("RGB", variant.size, variant.background)
     width, height = variant.size
-    fill = colour if variant.pillow_names else vision_tasks.COLOURS[colour]
-    vision_tasks.draw_shape(ImageDraw.Draw(image), kind, fill, (width / 2, height / 2),
-                            variant.radius * min(width, height))
+    vision_tasks.draw_shape(ImageDraw.Draw(image), kind, _fill(variant, colour),
+                            (width / 2, height / 2), variant.radius * min(width, height))
     return image
 
 
-def probe(llm: LLM, variants: list[str], colours: list[str], kinds: list[str]
-          ) -> dict[str, Any]:
-    cases = [(name, question, colour, kind) for name in variants for colour in colours
-             for kind in kinds for question in QUESTIONS]
+def scattered(variant: Variant, count: int, rng: random.Random) -> Image.Image:
+    """`count` shapes of random kinds and colours anywhere, none touching, each about half
+    the variant's radius."""
+    image = Image.new("RGB", variant.size, variant.background)
+    draw = ImageDraw.Draw(image)
+    width, height = variant.size
+    placed: list[tuple[float, float, float]] = []
+    while len(placed) < count:
+        radius = rng.uniform(0.3, 0.6) * variant.radius * min(width, height)
+        x, y = rng.uniform(radius, width - radius), rng.uniform(radius, height - radius)
+        if all(math.dist((x, y), (a, b)) > radius + r + 6 for a, b, r in placed):
+            placed.append((x, y, radius))
+            vision_tasks.draw_shape(draw, rng.choice(vision_tasks.SHAPES),
+                                    _fill(variant, rng.choice(list(vision_tasks.COLOURS))),
+                                    (x, y), radius)
+    return image
+
+
+def probe(llm: LLM, variants: list[str], colours: list[str], kinds: list[str],
+          counts: int = 8) -> dict[str, Any]:
+    """Each variant's colour and shape questions on one shape of each colour and kind, and
+    `counts` pictures of each number of shapes, 1 to MOST_SHAPES, placed anywhere."""
+    rng = random.Random(0)
+    cases = []  # (variant, question, answer, picture, what else it shows)
+    for name in variants:
+        variant = VARIANTS[name]
+        for colour in colours:
+            for kind in kinds:
+                image = picture(variant, kind, colour)
+                cases += [(name, "colour", colour, image, kind),
+                          (name, "shape", kind, image, colour)]
+        cases += [(name, "count", str(count), scattered(variant, count, rng), "")
+                  for count in range(1, MOST_SHAPES + 1) for _ in range(counts)]
     prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"},
                                       {"type": "text", "text": QUESTIONS[question]}]}],
         add_generation_prompt=True, tokenize=True),
-        "multi_modal_data": {"image": [picture(VARIANTS[name], kind, colour)]}}
-        for name, question, colour, kind in cases]
-    params = SamplingParams(temperature=0.0, max_tokens=160, skip_special_tokens=False)
+        "multi_modal_data": {"image": [image]}} for _, question, _, image, _ in cases]
+    params = SamplingParams(temperature=0.0, max_tokens=200, skip_special_tokens=False)
     outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     right: Counter[tuple[str, str]] = Counter()
     asked: Counter[tuple[str, str]] = Counter()
     misses = []
-    for (name, question, colour, kind), output in zip(cases, outputs):
+    for (name, question, answer, _, other), output in zip(cases, outputs):
         reply = read_reply(output.outputs[0], llm.tokenizer).content.strip().rstrip(".")
-        answer = colour if question == "colour" else kind
         asked[name, question] += 1
         if reply.lower() == answer:
             right[name, question] += 1
         else:
             misses.append({"variant": name, "question": question, "answer": answer,
-                           "reply": reply, "other": kind if question == "colour" else colour})
+                           "reply": reply, "other": other})
     return {"results": {f"{name} / {question}": {"right": right[name, question],
                                                  "asked": asked[name, question]}
                         for name, question in asked},
@@ -91,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--colours", default=",".join(vision_tasks.COLOURS))
     parser.add_argument("--shapes", default=",".join(vision_tasks.SHAPES))
+    parser.add_argument("--counts", type=int, default=8,
+                        help="pictures of each number of shapes (1 to 5) a variant")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    report = probe(LLM(args.model), variants, args.colours.split(","), args.shapes.split(","))
+    report = probe(LLM(args.model), variants, args.colours.split(","), args.shapes.split(","),
+                   args.counts)
     report["model"] = args.model
     for label, cell in report["results"].items():
         print(f"{label}: {cell['right']}/{cell['asked']}")

@@ -268,3 +268,25 @@ def test_the_shades_of_two_colours_never_meet_even_jittered() -> None:
     for first, second in itertools.combinations(shades, 2):
         closest = min(math.dist(a, b) for a in shades[first] for b in shades[second])
         assert closest > jitter_reach, (first, second)
+
+
+def test_training_places_some_shapes_anywhere_two_to_a_cell_and_held_out_none() -> None:
+    """Users do not draw to a grid: some training pictures place their shapes freely, two
+    may then share a cell, and the reasoning still lists each one; held-out pictures keep
+    one shape a cell."""
+    rng = random.Random(14)
+    scenes = [sample_scene(rng, TRAIN, rng.randint(2, 5), False) for _ in range(300)]
+    shared = [scene for scene in scenes
+              if len({shape.cell for shape in scene.shapes}) < len(scene.shapes)]
+    assert 10 < len(shared) < 120
+    for scene in shared:
+        assert describe(scene).count("Shape ") == len(scene.shapes)
+        assert f"That is {len(scene.shapes)} shapes." in describe(scene)
+        pixels = np.asarray(vision_tasks.draw_scene(scene))
+        masks = _colour_masks(pixels, scene.shapes)
+        touching = np.ones((3, 3))  # a small triangle's apex may touch it at a corner only
+        assert sum(ndimage.label(mask, touching)[1] for mask in masks.values()) \
+            == len(scene.shapes)
+    held_out = [sample_scene(rng, HELD_OUT, rng.randint(2, 5), False) for _ in range(100)]
+    assert all(len({shape.cell for shape in scene.shapes}) == len(scene.shapes)
+               for scene in held_out)
