@@ -3,7 +3,7 @@ Pillow names it (`fill="brown"` is (165, 42, 42), not the training palette's bro
 picture sizes, a light grey background, a small shape. The model is asked the colour and
 the kind of one shape in the middle, and how many shapes a picture of one to five placed
 anywhere (not on the training grid) holds, greedily; a reply is right when its content is
-the answer (case, spaces and a final period ignored).
+the answer as `muse eval` compares them (`media_tasks.is_right`).
 
     python scripts/pillow_pictures.py MODEL [--json OUT] [--variants NAME,...] [--counts 8]
 
@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muse import LLM, SamplingParams  # noqa: E402
+from muse.eval.media_tasks import is_right  # noqa: E402
 from muse.eval.replies import read_reply  # noqa: E402
 from muse.train.data import vision_tasks  # noqa: E402
 
@@ -107,9 +108,9 @@ def probe(llm: LLM, variants: list[str], colours: list[str], kinds: list[str],
     asked: Counter[tuple[str, str]] = Counter()
     misses = []
     for (name, question, answer, _, other), output in zip(cases, outputs):
-        reply = read_reply(output.outputs[0], llm.tokenizer).content.strip().rstrip(".")
+        reply = read_reply(output.outputs[0], llm.tokenizer).content
         asked[name, question] += 1
-        if reply.lower() == answer:
+        if is_right(reply, answer):
             right[name, question] += 1
         else:
             misses.append({"variant": name, "question": question, "answer": answer,

@@ -389,9 +389,14 @@ def _placed_anywhere(rng: random.Random, pairs: list[tuple[str, str]], size: int
         center = (rng.randint(radius, size - radius), rng.randint(radius, size - radius))
         if any(math.dist(center, other.center) < radius + other.radius + 4 for other in shapes):
             continue
-        cell = (min(2, int(center[1] // cell_size)), min(2, int(center[0] // cell_size)))
-        shapes.append(Shape(kind, colour, cell, center, radius))
+        shapes.append(Shape(kind, colour, _cell_of(center, size), center, radius))
     return shapes
+
+
+def _cell_of(center: tuple[int, int], size: int) -> tuple[int, int]:
+    """The grid cell (row, column) a point of a `size`-pixel picture falls in."""
+    cell_size = size / 3
+    return min(2, int(center[1] // cell_size)), min(2, int(center[0] // cell_size))
 
 
 def _large_shape(rng: random.Random, kind: str, colour: str, size: int) -> Shape:
@@ -400,8 +405,7 @@ def _large_shape(rng: random.Random, kind: str, colour: str, size: int) -> Shape
     cell_size = size / 3
     radius = rng.randint(int(cell_size * 0.3) + 1, int(size * LARGE_SHAPE_MAX_RADIUS))
     center = (rng.randint(radius, size - radius), rng.randint(radius, size - radius))
-    cell = (min(2, int(center[1] // cell_size)), min(2, int(center[0] // cell_size)))
-    return Shape(kind, colour, cell, center, radius)
+    return Shape(kind, colour, _cell_of(center, size), center, radius)
 
 
 def sample_image_case(rng: random.Random, split: str, kind: str | None = None) -> ImageCase:
