@@ -65,30 +65,71 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     new_kv (this step's K/V, already in the cache) is for kernels that can read them
     directly; the cache holds the same values, so this twin reads only the cache."""
     fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    scales = (k_scale, v_scale) if fp8 else None
+    if meta.max_query_len > 1 and q.device.type == "cpu":
+        # A step that mixes decodes with a prefill chunk pads every decode to the chunk's
+        # length: with many decodes beside a long chunk nearly all the work is padding. On the
+        # CPU (where this twin is the engine's path) the two groups are attended apart; on a
+        # GPU it stays one call, with no host sync, as the reference the kernels are checked
+        # against.
+        query_lens = meta.query_start[1:] - meta.query_start[:-1]
+        decoding = query_lens == 1
+        if bool(decoding.any()) and not bool(decoding.all()):
+            out = torch.empty_like(q)
+            for group in (decoding, ~decoding):
+                tokens = group[meta.token_request]
+                # The group's requests renumbered 0, 1, ... in their order.
+                renumbered = torch.cumsum(group, 0) - 1
+                lens = query_lens[group]
+                out[tokens] = _padded_attention(
+                    q[tokens], k_cache, v_cache, meta.positions[tokens],
+                    renumbered[meta.token_request[tokens]], _offsets(lens), int(lens.max()),
+                    meta.seq_lens[group], kind.block_tables[group], kind.first_block[group],
+                    meta.block_size, sliding_window, scale, scales)
+            return out
+    return _padded_attention(q, k_cache, v_cache, meta.positions, meta.token_request,
+                             meta.query_start, meta.max_query_len, meta.seq_lens,
+                             kind.block_tables, kind.first_block, meta.block_size,
+                             sliding_window, scale, scales)
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [n + 1] start offsets."""
+    offsets = lengths.new_zeros(lengths.shape[0] + 1)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def _padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      positions: torch.Tensor, token_request: torch.Tensor,
+                      query_start: torch.Tensor, max_query: int, seq_lens: torch.Tensor,
+                      block_tables: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                      sliding_window: int | None, scale: float,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Attention of the requests whose tokens q holds (request `token_request[t]`, those of a
+    request from `query_start[r]` on), every request's queries padded to `max_query`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    requests, max_query = meta.num_requests, meta.max_query_len
-    block_size = meta.block_size
+    requests = seq_lens.shape[0]
 
     # Queries padded to [requests, max_query, kv_heads, group, dim].
-    column = torch.arange(num_tokens, device=q.device) - meta.query_start[meta.token_request]
+    column = torch.arange(num_tokens, device=q.device) - query_start[token_request]
     padded_q = q.new_zeros(requests, max_query, num_heads, head_dim)
-    padded_q[meta.token_request, column] = q
+    padded_q[token_request, column] = q
     padded_q = padded_q.view(requests, max_query, num_kv_heads, group, head_dim)
     query_pos = torch.zeros(requests, max_query, dtype=torch.long, device=q.device)
-    query_pos[meta.token_request, column] = meta.positions
+    query_pos[token_request, column] = positions
 
     # Keys [requests, keys, kv_heads, dim] and the absolute position of each.
-    keys = k_cache[kind.block_tables].flatten(1, 2).float()
-    values = v_cache[kind.block_tables].flatten(1, 2).float()
-    if fp8:
-        keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
-    key_pos = kind.first_block[:, None] * block_size + torch.arange(keys.shape[1],
-                                                                    device=q.device)
+    keys = k_cache[block_tables].flatten(1, 2).float()
+    values = v_cache[block_tables].flatten(1, 2).float()
+    if scales is not None:
+        keys, values = dequantize_kv(keys, scales[0]), dequantize_kv(values, scales[1])
+    key_pos = first_block[:, None] * block_size + torch.arange(keys.shape[1], device=q.device)
 
     allowed = key_pos[:, None, :] <= query_pos[:, :, None]
-    allowed &= key_pos[:, None, :] < meta.seq_lens[:, None, None]
+    allowed &= key_pos[:, None, :] < seq_lens[:, None, None]
     if sliding_window is not None:
         allowed &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
     scores = torch.einsum("rqkgd,rnkd->rkgqn", padded_q.float(), keys) * scale
@@ -97,4 +138,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
     out = torch.einsum("rkgqn,rnkd->rqkgd", probs, values)
     out = out.reshape(requests, max_query, num_heads, head_dim)
-    return out[meta.token_request, column].to(q.dtype)
+    return out[token_request, column].to(q.dtype)
