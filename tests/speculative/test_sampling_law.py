@@ -20,7 +20,9 @@ SHIPPED = REPO_ROOT / "checkpoints" / "muse-spark-default"
 QUESTIONS = ["What is 37+45?", "Name a colour."]
 SAMPLES = 2000  # per prompt and engine
 COPIES = 20  # requests per prompt, each with n = SAMPLES / COPIES samples
-P_VALUE = 1e-3
+# A run makes six comparisons: at 1e-3 a right sampler failed about one run in 170 (once, in
+# CI, p = 0.00077); the wrong sampler below gives p near 1e-51.
+P_VALUE = 1e-4
 
 
 def engine(**args) -> LLM:
