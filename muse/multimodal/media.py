@@ -11,9 +11,10 @@ is reachable only through it).
 
 Decoding: images with Pillow (RGB; the pixel count is read from the header and checked before
 the pixels are decoded), video with PyAV (frames sampled at a given rate, uint8 RGB), audio
-with soundfile (float32 mono at 24 kHz, the audio encoder's rate). Every problem a request can
-cause is a `MediaError`, whose message names the part and the reason. Fetching and decoding
-block, so `decode_part` runs them in a thread pool, off the event loop.
+with soundfile, or with PyAV what libsndfile cannot read (float32 mono at 24 kHz, the audio
+encoder's rate). Every problem a request can cause is a `MediaError`, whose message names the
+part and the reason. Fetching and decoding block, so `decode_part` runs them in a thread pool,
+off the event loop.
 """
 
 from __future__ import annotations
@@ -469,44 +470,104 @@ def _rate(stream) -> float:
 def decode_audio(data: bytes, limits: MediaLimits, where: str = "audio",
                  sample_rate: int = AUDIO_SAMPLE_RATE) -> tuple[np.ndarray, int]:
     """A float32 mono waveform (channels averaged) at `sample_rate` Hz (see
-    muse.multimodal.resample), and that rate."""
+    muse.multimodal.resample), and that rate. soundfile reads WAV, FLAC, OGG and MP3; what it
+    cannot read goes to FFmpeg (PyAV): M4A / AAC voice memos, WebM / Opus recordings from a
+    browser, the audio track of a video file."""
     import soundfile  # libsndfile is loaded on the first clip, not when the server starts
 
     try:
-        with soundfile.SoundFile(io.BytesIO(data)) as file:
-            orig_rate, channels = file.samplerate, file.channels
-            if not 0 < orig_rate <= MAX_AUDIO_SAMPLE_RATE or not 0 < channels <= \
-                    MAX_AUDIO_CHANNELS:
-                raise MediaError(where, f"the clip has {channels} channels at {orig_rate} Hz; "
-                                        f"at most {MAX_AUDIO_CHANNELS} channels at up to "
-                                        f"{MAX_AUDIO_SAMPLE_RATE} Hz are accepted")
-            seconds = file.frames / orig_rate if file.frames > 0 else 0.0
-            if seconds > limits.max_audio_seconds:
-                raise MediaError(where, f"the clip is {seconds:.1f} s long, more than the "
-                                        f"{limits.max_audio_seconds} s limit "
-                                        "(--max-audio-seconds)")
-            # Read in blocks, mixing each down: memory follows the samples actually decoded,
-            # not the header's frame count, which can be an estimate (MP3) or a lie.
-            limit = int(limits.max_audio_seconds * orig_rate)
-            blocks, total = [], 0
-            while total <= limit:
-                samples = file.read(frames=_AUDIO_BLOCK_FRAMES, dtype="float32",
-                                    always_2d=True)
-                if len(samples) == 0:
-                    break
-                total += len(samples)
-                blocks.append(samples.mean(axis=1, dtype=np.float32))
+        file = soundfile.SoundFile(io.BytesIO(data))
+    except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError, TypeError):
+        waveform, orig_rate = _decode_audio_with_ffmpeg(data, limits, where)
+    else:
+        try:
+            with file:
+                waveform, orig_rate = _decode_audio_with_soundfile(file, limits, where)
+        except MediaError:
+            raise
+        except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError,
+                TypeError):
+            raise MediaError(where, _NOT_AUDIO) from None
+    return resample(waveform, orig_rate, sample_rate), sample_rate
+
+
+_NOT_AUDIO = "the data is not audio in a supported format (WAV, FLAC, OGG, MP3, M4A, WebM, ...)"
+
+
+class _MonoSamples:
+    """A clip's samples as they are decoded, mixed down block by block: memory follows the
+    samples actually decoded, not a header's frame count, which can be an estimate (MP3) or a
+    lie; decoding stops once the clip passes the length limit."""
+
+    def __init__(self, rate: int, channels: int, seconds: float | None, limits: MediaLimits,
+                 where: str) -> None:
+        if not 0 < rate <= MAX_AUDIO_SAMPLE_RATE or not 0 < channels <= MAX_AUDIO_CHANNELS:
+            raise MediaError(where, f"the clip has {channels} channels at {rate} Hz; at most "
+                                    f"{MAX_AUDIO_CHANNELS} channels at up to "
+                                    f"{MAX_AUDIO_SAMPLE_RATE} Hz are accepted")
+        self.limits, self.where = limits, where
+        if seconds is not None and seconds > limits.max_audio_seconds:
+            raise self.too_long(f"{seconds:.1f} s long, more than")
+        self.limit = int(limits.max_audio_seconds * rate)
+        self.blocks: list[np.ndarray] = []
+        self.total = 0
+
+    def too_long(self, how: str) -> MediaError:
+        return MediaError(self.where, f"the clip is {how} the {self.limits.max_audio_seconds} "
+                                      "s limit (--max-audio-seconds)")
+
+    def add(self, channels_first: np.ndarray) -> None:
+        """One block, [channels, samples] float32."""
+        self.total += channels_first.shape[1]
+        if self.total > self.limit:
+            raise self.too_long("longer than")
+        self.blocks.append(channels_first.mean(axis=0, dtype=np.float32))
+
+    def waveform(self) -> np.ndarray:
+        if self.total == 0:
+            raise MediaError(self.where, "the clip has no samples")
+        return np.concatenate(self.blocks)
+
+
+def _decode_audio_with_soundfile(file, limits: MediaLimits, where: str
+                                 ) -> tuple[np.ndarray, int]:
+    seconds = file.frames / file.samplerate if file.frames > 0 and file.samplerate > 0 \
+        else None
+    samples = _MonoSamples(file.samplerate, file.channels, seconds, limits, where)
+    while True:
+        block = file.read(frames=_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True)
+        if len(block) == 0:
+            return samples.waveform(), file.samplerate
+        samples.add(block.T)
+
+
+def _decode_audio_with_ffmpeg(data: bytes, limits: MediaLimits, where: str
+                              ) -> tuple[np.ndarray, int]:
+    import av  # FFmpeg is loaded on the first such clip, not when the server starts
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.audio:
+                raise MediaError(where, "the data has no audio stream" if
+                                 container.streams.video else _NOT_AUDIO)
+            stream = container.streams.audio[0]
+            rate = stream.codec_context.sample_rate or 0
+            layout = stream.codec_context.layout
+            samples = _MonoSamples(rate, layout.nb_channels if layout else 0,
+                                   _duration_s(container, stream), limits, where)
+            # Planar float at the stream's own rate and layout, whatever the codec decodes to
+            # (a stream may also change its rate midway).
+            planar = av.AudioResampler(format="fltp", layout=layout, rate=rate)
+            for frame in container.decode(stream):
+                for converted in planar.resample(frame):
+                    samples.add(converted.to_ndarray())
+            for converted in planar.resample(None):
+                samples.add(converted.to_ndarray())
     except MediaError:
         raise
-    except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError, TypeError):
-        raise MediaError(where, "the data is not audio in a supported format (WAV, FLAC, "
-                                "OGG, MP3, ...)") from None
-    if total > limit:
-        raise MediaError(where, f"the clip is longer than the {limits.max_audio_seconds} s "
-                                "limit (--max-audio-seconds)")
-    if total == 0:
-        raise MediaError(where, "the clip has no samples")
-    return resample(np.concatenate(blocks), orig_rate, sample_rate), sample_rate
+    except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError):
+        raise MediaError(where, _NOT_AUDIO) from None
+    return samples.waveform(), rate
 
 
 # ---------------------------------------------------------------- content parts

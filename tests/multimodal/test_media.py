@@ -212,6 +212,68 @@ def test_a_long_clip_is_refused():
         decode_audio(data, MediaLimits(max_audio_seconds=2.0))
 
 
+def encoded_audio(container_format: str, codec: str, channels_first: np.ndarray, rate: int,
+                  with_video: bool = False) -> bytes:
+    """A clip encoded by FFmpeg (through PyAV), optionally beside a short video stream."""
+    buffer = io.BytesIO()
+    layout = "mono" if len(channels_first) == 1 else "stereo"
+    with av.open(buffer, mode="w", format=container_format) as container:
+        video = container.add_stream("mpeg4", rate=10) if with_video else None
+        audio = container.add_stream(codec, rate=rate)
+        audio.layout = layout
+        if video is not None:
+            video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+            for _ in range(10):
+                frame = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), "rgb24")
+                container.mux(video.encode(frame))
+            container.mux(video.encode(None))
+        frame = av.AudioFrame.from_ndarray(channels_first.astype(np.float32), format="fltp",
+                                           layout=layout)
+        frame.sample_rate = rate
+        container.mux(audio.encode(frame))
+        container.mux(audio.encode(None))
+    return buffer.getvalue()
+
+
+def dominant_frequency_near(waveform: np.ndarray, rate: int, frequency: float) -> bool:
+    return abs(dominant_frequency(waveform, rate) - frequency) <= 2.0
+
+
+@pytest.mark.parametrize(("container_format", "codec", "rate"),
+                         [("mp4", "aac", 44_100), ("ipod", "aac", 48_000),
+                          ("webm", "libopus", 48_000)],
+                         ids=["mp4-aac", "m4a-aac", "webm-opus"])
+def test_formats_libsndfile_cannot_read_are_decoded_by_ffmpeg(container_format, codec, rate):
+    # An iPhone voice memo (M4A) and a browser's MediaRecorder clip (WebM / Opus): lossy,
+    # with the encoder's priming samples, so the check is the tone and about the length.
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)
+    decoded, sample_rate = decode_audio(encoded_audio(container_format, codec, tone[None], rate),
+                                        LIMITS)
+    assert sample_rate == 24_000 and decoded.dtype == np.float32
+    assert 0.85 < len(decoded) / sample_rate < 1.1
+    assert dominant_frequency_near(decoded, sample_rate, 440.0)
+    assert 0.2 < np.abs(decoded).max() < 0.5  # AAC overshoots the tone's onset
+
+
+def test_the_audio_track_of_a_video_file_is_its_audio():
+    tone = 0.3 * np.sin(2 * np.pi * 300 * np.arange(44_100) / 44_100)
+    data = encoded_audio("mp4", "aac", np.stack([tone, tone]), 44_100, with_video=True)
+    decoded, rate = decode_audio(data, LIMITS)
+    assert dominant_frequency_near(decoded, rate, 300.0)
+    silent_video = video_bytes("mp4", "mpeg4", seconds=1)
+    with pytest.raises(MediaError, match="no audio stream"):
+        decode_audio(silent_video, LIMITS)
+
+
+def test_ffmpeg_clips_are_mixed_to_mono_and_held_to_the_length_limit():
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(44_100) / 44_100)
+    stereo = encoded_audio("mp4", "aac", np.stack([tone, -tone]), 44_100)
+    decoded, _ = decode_audio(stereo, LIMITS)
+    assert np.abs(decoded).max() < 0.01  # the channels cancel
+    with pytest.raises(MediaError, match="--max-audio-seconds"):
+        decode_audio(stereo, MediaLimits(max_audio_seconds=0.5))
+
+
 @pytest.mark.parametrize(("kind", "field"), [("image_url", "image_url"),
                                               ("video_url", "video_url"),
                                               ("audio_url", "audio_url")])
