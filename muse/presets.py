@@ -141,7 +141,7 @@ def spark_default() -> MuseSparkConfig:
 PROCESSOR_SETTINGS: dict[str, dict] = {
     "muse-spark-default": {"min_pixels": 112 * 112, "max_pixels": 224 * 224,
                            "video_max_pixels": 112 * 112, "max_video_frames": 8,
-                           "video_fps": 2.0},
+                           "video_fps": 2.0, "trim_audio_silence": True},
 }
 
 

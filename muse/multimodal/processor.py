@@ -21,7 +21,8 @@ tokens as that encoder produces, so the engine can scatter the encoder's outputs
   spelled as text. Without timestamps, frame i is at i / video_fps seconds.
 - An audio clip (`muse.multimodal.media.Audio`, or a 1-D float array / tensor at the audio
   encoder's 24 kHz; resampling is `muse.multimodal.media`'s job) becomes a float32 tensor
-  [samples], and its placeholder `num_audio_tokens(samples)` audio tokens.
+  [samples], its leading and trailing silence cut when the config says `trim_audio_silence`,
+  and its placeholder `num_audio_tokens(samples)` audio tokens.
 
 Each item also gets its spans, (start, length) of its media tokens in the expanded ids (one
 span per frame group for a video, markers excluded; one span otherwise), and a content hash:
@@ -59,6 +60,7 @@ from muse.chat_format import (
 from muse.config import AudioConfig, ConfigError, MuseSparkConfig, VisionConfig
 from muse.multimodal.audio import num_audio_tokens
 from muse.multimodal.media import Audio, Video, to_rgb
+from muse.multimodal.silence import SERVING_LEADING_MARGIN_SECONDS, trim_silence
 from muse.multimodal.vision import PatchGrid
 
 PROCESSOR_CONFIG_FILE = "processor_config.json"
@@ -86,6 +88,9 @@ class ProcessorConfig:
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
     resample: str = "bicubic"  # Pillow filter: bicubic, bilinear, lanczos or nearest
     time_marker: str = "<t={seconds:.1f}s>"  # text before each video frame group
+    # Cut each audio clip's leading and trailing silence (muse.multimodal.silence), for a
+    # model trained on clips cut that way.
+    trim_audio_silence: bool = False
 
     def __post_init__(self) -> None:
         self.image_mean = tuple(float(x) for x in self.image_mean)
@@ -103,6 +108,8 @@ class ProcessorConfig:
                f"as many values as image_mean ({len(self.image_mean)})", list(self.image_std))
         _check(all(std > 0 for std in self.image_std), "image_std", "positive values",
                list(self.image_std))
+        _check(isinstance(self.trim_audio_silence, bool), "trim_audio_silence", "true or false",
+               self.trim_audio_silence)
         _check(self.resample in _RESAMPLING, "resample", f"one of {sorted(_RESAMPLING)}",
                self.resample)
         try:
@@ -420,7 +427,11 @@ class MuseSparkProcessor:
                                  f"{tuple(audio.shape)}: mix the channels down first")
         if audio.numel() == 0:
             raise ProcessorError("an audio clip needs at least one sample")
-        return audio.detach().cpu().float().contiguous()
+        audio = audio.detach().cpu().float().contiguous()
+        if self.config.trim_audio_silence:
+            audio = torch.from_numpy(trim_silence(
+                audio.numpy(), rate, SERVING_LEADING_MARGIN_SECONDS).copy())
+        return audio
 
     # ------------------------------------------------------------------ placeholders
 

@@ -3,6 +3,7 @@ spans, content hashes, errors and processor_config.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -35,6 +36,7 @@ from muse.multimodal.processor import (
     closest_allowed_size,
     smart_resize,
 )
+from muse.multimodal.silence import SERVING_LEADING_MARGIN_SECONDS, SILENCE_MARGIN_SECONDS
 from muse.presets import SHIPPED_CHECKPOINT, tiny
 from muse.tokenizer import MuseTokenizer
 
@@ -233,6 +235,29 @@ def test_audio_counts_match_num_audio_tokens(processor: MuseSparkProcessor) -> N
         assert len(out.input_ids) == 2 + num_audio_tokens(samples, config)
     out = processor(AUDIO, audios=[Audio(np.zeros(4000, dtype=np.float32), 24000)])
     assert out.media[0].num_tokens == 3
+
+
+def test_audio_silence_is_cut_when_the_config_says_so(tokenizer: MuseTokenizer) -> None:
+    rate = MODEL.audio_config.sample_rate
+    rng = np.random.default_rng(0)
+    speech = (0.5 * rng.standard_normal(rate)).astype(np.float32)
+    padded = np.concatenate([np.zeros(rate // 2, np.float32), speech,
+                             np.zeros(rate, np.float32)])
+    trimming = MuseSparkProcessor(MODEL, dataclasses.replace(SMALL, trim_audio_silence=True),
+                                  tokenizer)
+    (item,) = trimming(AUDIO, audios=[padded]).media
+    lead = int(SERVING_LEADING_MARGIN_SECONDS * rate)
+    trail = int(SILENCE_MARGIN_SECONDS * rate)
+    assert item.data.shape == (lead + rate + trail,)
+    torch.testing.assert_close(item.data[lead:lead + rate], torch.from_numpy(speech))
+    (bare,) = trimming(AUDIO, audios=[speech]).media
+    assert bare.data.shape == (rate,)  # loud from its first sample to its last: all kept
+    (kept,) = MuseSparkProcessor(MODEL, SMALL, tokenizer)(AUDIO, audios=[padded]).media
+    assert kept.data.shape == padded.shape  # off by default
+    (quiet,) = trimming(AUDIO, audios=[np.zeros(4000, np.float32)]).media
+    assert quiet.data.shape == (4000,)  # nothing is loud: the clip stays whole
+    with pytest.raises(ConfigError, match="trim_audio_silence"):
+        ProcessorConfig(trim_audio_silence="yes")
 
 
 def test_video_frames_are_capped_and_timestamps_default(tokenizer: MuseTokenizer) -> None:

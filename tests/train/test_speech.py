@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from muse.multimodal.silence import SILENCE_MARGIN_SECONDS
 from muse.train.data import speech
 from muse.train.data.speech import (DEFAULT_VOICE, KINDS, QUESTIONS, SAMPLE_RATE, WORDS,
                                     AudioCase, SpeechPool, Voice, augment, number_words,
@@ -207,7 +208,7 @@ def test_synthesis_is_deterministic_24khz_and_trimmed() -> None:
     assert audio.dtype == np.float32 and audio.ndim == 1
     assert np.array_equal(audio, speech.synthesize("forty two", voice))
     assert 0.3 * SAMPLE_RATE < audio.size < 2.0 * SAMPLE_RATE
-    margin = int(speech.SILENCE_MARGIN_SECONDS * SAMPLE_RATE)
+    margin = int(SILENCE_MARGIN_SECONDS * SAMPLE_RATE)
     peak = np.abs(audio).max()
     assert np.abs(audio[:margin // 2]).max() < 0.1 * peak  # a short quiet margin stays
     assert np.abs(audio[:2 * margin]).max() > 0.02 * peak  # then speech starts

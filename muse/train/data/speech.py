@@ -1,8 +1,9 @@
 """Spoken questions made with espeak-ng: numbers, words and arithmetic read aloud.
 
 A clip is `espeak-ng --stdout -v VOICE -s SPEED -p PITCH TEXT`, read from the WAV bytes,
-lightly trimmed of silence and resampled from espeak's 22050 Hz to the audio encoder's
-24 kHz (`muse.multimodal.resample`); the same (text, voice) always gives the same samples.
+lightly trimmed of silence (`muse.multimodal.silence`, as the processor trims clips at serving
+time) and resampled from espeak's 22050 Hz to the audio encoder's 24 kHz
+(`muse.multimodal.resample`); the same (text, voice) always gives the same samples.
 
 Tasks (the user turn is `[{"type": "audio"}, {"type": "text", "text": question}]`):
 
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from muse.multimodal.resample import resample
+from muse.multimodal.silence import trim_silence
 from muse.train.data.arithmetic import Problem, worked_reasoning
 from muse.train.data.split import SPLITS, TRAIN, draw_from_split, split_items
 from muse.train.data.vision_tasks import _messages
@@ -271,22 +273,6 @@ def espeak_command() -> list[str]:
             "or source scripts/espeak_env.sh")
     data = os.environ.get("MUSE_ESPEAK_DATA")
     return [binary, f"--path={data}"] if data else [binary]
-
-
-# Amplitude under which a sample counts as silence when trimming, relative to the peak, and
-# the silence kept at each end so word onsets and releases are never cut.
-SILENCE_LEVEL = 0.02
-SILENCE_MARGIN_SECONDS = 0.05
-
-
-def trim_silence(waveform: np.ndarray, rate: int) -> np.ndarray:
-    """`waveform` without its leading and trailing silence, a short margin kept."""
-    peak = float(np.abs(waveform).max(initial=0.0))
-    if peak == 0.0:
-        return waveform
-    loud = np.flatnonzero(np.abs(waveform) > SILENCE_LEVEL * peak)
-    margin = int(SILENCE_MARGIN_SECONDS * rate)
-    return waveform[max(0, loud[0] - margin):loud[-1] + 1 + margin]
 
 
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:
