@@ -47,6 +47,11 @@ DEFAULT_VIDEO_FPS = 2.0
 # The most frames a second a request may ask a video to be sampled at (more than any video
 # holds: a higher rate keeps every frame, up to the frame limit).
 MAX_VIDEO_FPS = 120.0
+# A video too short for this many frames at the requested rate is sampled at this many,
+# evenly over its length (Qwen2-VL's processor has the same floor): two frames of a one-second
+# clip at 2 fps left the shipped model guessing the direction of motion in 6 of 24 clips,
+# four frames in none.
+MIN_VIDEO_FRAMES = 4
 # Formats Pillow may open: the common ones, so that a request cannot reach the decoders of
 # rarely used (and rarely hardened) formats.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO
@@ -405,7 +410,8 @@ def decode_video(data: bytes, fps: float, max_frames: int, *,
     """Frames sampled `fps` times a second, [T, H, W, 3] uint8 RGB, and their timestamps in
     seconds. A video longer than max_frames / fps is sampled evenly over its whole length at
     max_frames frames instead (when its container states the length; else its first
-    max_frames samples are kept)."""
+    max_frames samples are kept), and one shorter than MIN_VIDEO_FRAMES / fps at
+    MIN_VIDEO_FRAMES frames (as many as it has, if fewer)."""
     import av  # FFmpeg is loaded on the first video, not when the server starts
 
     if not fps > 0 or max_frames < 1:
@@ -422,8 +428,11 @@ def decode_video(data: bytes, fps: float, max_frames: int, *,
                                         f"{max_frame_pixels}-pixel limit per frame")
             duration = _duration_s(container, stream)
             interval = 1.0 / fps
+            fewest = min(MIN_VIDEO_FRAMES, max_frames)
             if duration is not None and duration * fps > max_frames:
                 interval = duration / max_frames
+            elif duration is not None and 0 < duration * fps < fewest:
+                interval = duration / fewest
             frames, timestamps = [], []
             start = next_time = None
             for index, frame in enumerate(container.decode(stream)):

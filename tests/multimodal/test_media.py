@@ -23,7 +23,7 @@ av = pytest.importorskip("av")
 soundfile = pytest.importorskip("soundfile")
 
 from muse.multimodal.media import (  # noqa: E402
-    Audio, MediaError, MediaLimits, Video, decode_audio, decode_image, decode_part,
+    MIN_VIDEO_FRAMES, Audio, MediaError, MediaLimits, Video, decode_audio, decode_image, decode_part,
     decode_video, fetch, load_part)
 from muse.multimodal.resample import resample
 from muse.server.launch import add_serve_arguments, media_limits_from
@@ -144,6 +144,17 @@ def test_a_long_video_is_sampled_evenly_at_max_frames():
                                       max_frames=4)
     assert len(frames) == 4
     np.testing.assert_allclose(timestamps, [0.0, 1.0, 2.0, 3.0], atol=1e-3)
+
+
+def test_a_short_video_is_sampled_at_the_fewest_frames():
+    # One second at 2 fps would be two frames: four instead, a quarter second apart.
+    frames, timestamps = decode_video(video_bytes("mp4", "mpeg4", seconds=1), fps=2,
+                                      max_frames=8)
+    assert len(frames) == MIN_VIDEO_FRAMES == 4
+    np.testing.assert_allclose(timestamps, [0.0, 0.3, 0.5, 0.8], atol=0.051)
+    # The floor never passes max_frames, nor the frames the clip has.
+    assert len(decode_video(video_bytes("mp4", "mpeg4", seconds=1), fps=2, max_frames=3)[0]) == 3
+    assert len(decode_video(video_bytes("mp4", "mpeg4", seconds=0.2), fps=2, max_frames=8)[0]) == 2
 
 
 def test_video_part_and_frame_pixel_limit():
