@@ -57,7 +57,7 @@ class MediaCase:
 
     @property
     def question(self) -> str:
-        return self.messages[0]["content"][-1]["text"]
+        return self.messages[0]["content"][-1].get("text", "")
 
 
 def normalize(text: str) -> str:

@@ -47,6 +47,25 @@ def test_each_kind_has_ten_phrasings_split_apart(kind: str) -> None:
     assert len(templates) >= 10 and train and held_out and not set(train) & set(held_out)
 
 
+def test_some_questions_name_no_task_and_some_clips_come_alone() -> None:
+    # Users ask "What did I say?" or send the clip alone: the clip decides the answer.
+    for pool in (speech.GENERIC_QUESTIONS, speech.TRANSCRIBE_QUESTIONS):
+        assert not set(split_items(pool, TRAIN)) & set(split_items(pool, HELD_OUT))
+    assert not set(speech.TRANSCRIBE_QUESTIONS) & set(speech.questions(TRAIN, "arithmetic"))
+    rng = random.Random(11)
+    for split in (TRAIN, HELD_OUT):
+        drawn = [speech.sample_question(rng, split, "number") for _ in range(2000)]
+        generic = sum(q in speech.GENERIC_QUESTIONS + speech.TRANSCRIBE_QUESTIONS
+                      for q in drawn) / len(drawn)
+        assert abs(generic - speech.GENERIC_QUESTION_SHARE) < 0.03
+        alone = drawn.count("") / len(drawn)
+        assert abs(alone - speech.AUDIO_ONLY_SHARE) < 0.02 if split == TRAIN else alone == 0
+        assert set(drawn) <= set(speech.questions(split, "number"))
+    case = sample_audio_case(random.Random(12), TRAIN, "number", synth=fake_synth)
+    alone = AudioCase(**{**vars(case), "question": ""})
+    assert alone.messages()[0] == {"role": "user", "content": [{"type": "audio"}]}
+
+
 def test_held_out_voices_differ_from_training_but_share_names_and_variants() -> None:
     train_pairs, held_pairs = set(speech.voice_pairs(TRAIN)), set(speech.voice_pairs(HELD_OUT))
     assert held_pairs and not train_pairs & held_pairs
@@ -132,7 +151,7 @@ def test_cases_are_deterministic_and_shaped_like_chat_messages() -> None:
     for split in (TRAIN, HELD_OUT):
         for kind in KINDS:
             case = sample_audio_case(rng, split, kind, synth=fake_synth)
-            assert case.kind == kind and case.question in split_items(QUESTIONS[kind], split)
+            assert case.kind == kind and case.question in speech.questions(split, kind)
 
 
 def test_augmentation_changes_level_noise_and_speed_only_a_little() -> None:
@@ -173,7 +192,7 @@ def test_pool_cases_wrap_clips_with_training_questions() -> None:
     rng = random.Random(8)
     for kind in KINDS:
         case = pool.sample_case(rng, kind)
-        assert case.kind == kind and case.question in split_items(QUESTIONS[kind], TRAIN)
+        assert case.kind == kind and case.question in speech.questions(TRAIN, kind)
         index = pool.utterances.index(next(u for u in pool.utterances
                                            if u.text == case.text and u.kind == kind))
         assert case.answer == pool.utterances[index].answer

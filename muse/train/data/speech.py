@@ -181,6 +181,22 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Questions that name no task: the clip decides the answer (the number or word it says, the
+# result of the sum it asks). With task-naming questions alone the model read every such clip
+# as a sum: "What does the audio say?" after a spoken number got 1 of 20 right (20 of 20 with
+# "What number is spoken?"). The transcribing ones go with numbers and words only.
+GENERIC_QUESTIONS = (
+    "What does the audio say?", "What did I say?", "Listen to this.", "What's in this recording?",
+    "Tell me what you hear.", "What was said?", "Respond to the clip.", "Here you go.",
+    "What is this?", "Can you answer this?", "Have a listen.", "Reply to what you hear.")
+TRANSCRIBE_QUESTIONS = (
+    "Transcribe the audio.", "Transcribe this.", "Write down what is said.",
+    "Transcribe this clip.", "Write out what you hear.", "What is being said here?")
+GENERIC_QUESTION_SHARE = 0.2
+# Of training questions: none at all, the user turn holding the clip alone.
+AUDIO_ONLY_SHARE = 0.05
+
+
 def number_words(number: int) -> str:
     """0-99 in words, as espeak says them: 42 -> "forty two"."""
     if not 0 <= number <= MAX_NUMBER:
@@ -329,7 +345,25 @@ def _case(utterance: Utterance, voice: Voice, question: str, audio: np.ndarray) 
                      utterance.reasoning, audio)
 
 
+def _generic_questions(split: str, kind: str) -> tuple[str, ...]:
+    pool = split_items(GENERIC_QUESTIONS, split)
+    return pool + split_items(TRANSCRIBE_QUESTIONS, split) if kind != "arithmetic" else pool
+
+
+def questions(split: str, kind: str) -> tuple[str, ...]:
+    """Every question `sample_question` may ask of a clip of `kind` in `split` ("" for none)."""
+    empty = ("",) if split == TRAIN else ()
+    return split_items(QUESTIONS[kind], split) + _generic_questions(split, kind) + empty
+
+
 def sample_question(rng: random.Random, split: str, kind: str) -> str:
+    """A question of `split` for a clip of `kind`: most name its task, GENERIC_QUESTION_SHARE
+    do not, and in training AUDIO_ONLY_SHARE are empty (no text beside the clip)."""
+    draw = rng.random()
+    if draw < GENERIC_QUESTION_SHARE:
+        return rng.choice(_generic_questions(split, kind))
+    if split == TRAIN and draw < GENERIC_QUESTION_SHARE + AUDIO_ONLY_SHARE:
+        return ""
     return rng.choice(split_items(QUESTIONS[kind], split))
 
 

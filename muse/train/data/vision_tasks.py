@@ -206,7 +206,10 @@ class VideoCase:
 
 
 def _messages(media: str, question: str, reasoning: str, answer: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": media}, {"type": "text", "text": question}]},
+    """A user turn with the media and the question (the media alone when it is empty), and
+    the answer."""
+    text = [{"type": "text", "text": question}] if question else []
+    return [{"role": "user", "content": [{"type": media}, *text]},
             {"role": "assistant", "reasoning_content": reasoning, "content": answer}]
 
 
