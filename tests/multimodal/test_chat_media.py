@@ -103,11 +103,13 @@ def test_a_bad_part_raises_naming_it(llm):
 def test_videos_are_sampled_at_the_requested_fps(llm):
     av = pytest.importorskip("av")
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:  # 2 s at 8 frames a second
+    # 4 s at 8 frames a second: 4, 8 and 16 frames at 1, 2 and 4 fps (a clip under 2 s gets
+    # the floor of 4 frames, MIN_VIDEO_FRAMES, at 1 fps and at 2).
+    with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=8)
         stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
-        for i in range(16):
-            frame = np.full((56, 56, 3), 15 * i, dtype=np.uint8)
+        for i in range(32):
+            frame = np.full((56, 56, 3), 7 * i, dtype=np.uint8)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode(None))
     url = "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -117,7 +119,7 @@ def test_videos_are_sampled_at_the_requested_fps(llm):
         [output] = llm.chat(messages, greedy(), use_tqdm=False, **kwargs)
         return len(output.prompt_token_ids)
 
-    default = prompt_length()  # the model's 2 fps: 4 frames
+    default = prompt_length()  # the model's 2 fps: 8 frames
     assert prompt_length(mm_processor_kwargs={"fps": 2}) == default
     assert prompt_length(mm_processor_kwargs={"fps": 1}) < default \
         < prompt_length(mm_processor_kwargs={"fps": 4})

@@ -52,7 +52,7 @@ def mp4_bytes(frames: int = 6, rate: int = 4, size: int = 56) -> bytes:
         stream = container.add_stream("mpeg4", rate=rate)
         stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
         for i in range(frames):
-            pixels = np.full((size, size, 3), 30 * i, dtype=np.uint8)
+            pixels = np.full((size, size, 3), 30 * i % 256, dtype=np.uint8)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         container.mux(stream.encode(None))
     return buffer.getvalue()
@@ -147,9 +147,11 @@ def test_a_video_url(client):
 
 
 def test_a_video_is_sampled_at_the_requested_fps(client):
-    """1.5 s of video: 6 frames at 4 fps (3 frame pairs), 3 at the model's 2 fps (2 pairs
-    after padding), 2 at 1 fps (1 pair); a frame pair is 4 tokens and a time marker."""
-    video = {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(), "video/mp4")}}
+    """4 s of video: 16 frames at 4 fps (8 frame pairs), 8 at the model's 2 fps (4 pairs), 4
+    at 1 fps (2 pairs); a frame pair is 4 tokens and a time marker. (A shorter clip would get
+    the 4 frames of the floor, `MIN_VIDEO_FRAMES`, at 1 fps and at 2.)"""
+    clip = mp4_bytes(frames=16, rate=4)
+    video = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
 
     def prompt_tokens(**kwargs) -> int:
         extra = {"mm_processor_kwargs": kwargs} if kwargs else None
