@@ -5,7 +5,9 @@ espeak-ng starts speaking within about 12 ms of a clip's start, so the model nev
 more than that before the first word: a third of a second of silence before a spoken number,
 as most recordings have, took its accuracy from 40 of 40 to 6 of 40. The processor cuts every
 clip the same way when `processor_config.json` says `trim_audio_silence`, keeping
-`SERVING_LEADING_MARGIN_SECONDS` before the first loud sample.
+`SERVING_LEADING_MARGIN_SECONDS` before the first loud sample. Training runs the same
+processor (the preset's settings turn the cut on), so its augmented clips are cut again there
+exactly as served clips are; the cut at synthesis keeps the stored clips short.
 
 A sample is loud when its magnitude is above `SILENCE_LEVEL` times the clip's peak; a margin
 of quiet is kept at each end so that onsets and releases are not cut.

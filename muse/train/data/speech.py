@@ -5,7 +5,8 @@ lightly trimmed of silence (`muse.multimodal.silence`, as the processor trims cl
 time) and resampled from espeak's 22050 Hz to the audio encoder's 24 kHz
 (`muse.multimodal.resample`); the same (text, voice) always gives the same samples.
 
-Tasks (the user turn is `[{"type": "audio"}, {"type": "text", "text": question}]`):
+Tasks (the user turn is `[{"type": "audio"}, {"type": "text", "text": question}]`, or the
+clip alone for AUDIO_ONLY_SHARE of training questions):
 
 - `number`: 0-99, read from words ("forty two") or digits ("42"), which espeak speaks alike;
   the answer is the digits.
