@@ -23,8 +23,8 @@ av = pytest.importorskip("av")
 soundfile = pytest.importorskip("soundfile")
 
 from muse.multimodal.media import (  # noqa: E402
-    MIN_VIDEO_FRAMES, Audio, MediaError, MediaLimits, Video, decode_audio, decode_image, decode_part,
-    decode_video, fetch, load_part)
+    MIN_VIDEO_FRAMES, Audio, MediaError, MediaLimits, Video, decode_audio, decode_image,
+    decode_part, decode_video, fetch, load_part)
 from muse.multimodal.resample import resample
 from muse.server.launch import add_serve_arguments, media_limits_from
 
